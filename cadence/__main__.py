@@ -1,0 +1,3 @@
+from cadence.cli import main
+
+raise SystemExit(main())

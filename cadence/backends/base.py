@@ -1,0 +1,78 @@
+"""The attention backend contract.
+
+A backend turns one step's batch layout (built once per step by the model runner) into its own
+metadata, then, for every layer, writes the step's new K/V into the paged cache and computes
+attention for a mixed batch of prefills (query length > 1) and decodes (query length 1).
+
+Paged cache layout, per layer: ``k_cache`` and ``v_cache`` are ``[num_blocks, block_size,
+num_kv_heads, head_dim]``; the slot of a token is ``block_id * block_size + offset``; block 0 is
+the null block that pads block tables.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One step's batch, in scheduler order, as plain CPU tensors built by the model runner.
+
+    Requests are ordered decodes first is *not* assumed; each request ``i`` owns the query tokens
+    ``query_start_loc[i]:query_start_loc[i+1]`` whose positions end at ``seq_lens[i] - 1``.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: cached context + new tokens
+    block_table: torch.Tensor  # [B, max_num_blocks] int32, padded with 0 (null block)
+    slot_mapping: torch.Tensor  # [T] int64
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+class AttentionBackend(abc.ABC):
+    """One attention implementation over the paged KV cache.
+
+    Registered in the entry-point group ``cadence.attention_backends``; the class is imported only
+    when chosen, so optional dependencies live inside the backend's module.
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        """Raise ``RuntimeError`` saying why this backend cannot run on ``device``."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abc.abstractmethod
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:
+        """Per-step metadata shared by every layer (moved to ``device`` once)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` at their slots, then return attention output ``[T, num_heads, head_dim]``."""

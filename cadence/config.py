@@ -1,0 +1,155 @@
+"""The engine's configuration: a tree of frozen dataclasses, built once and validated at the boundary.
+
+Each component receives only its own part. Values that depend on the model (its context length,
+the default dtype) are resolved by :func:`cadence.models.loader.resolve_model` before the tree is
+built, so nothing here is mutated afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_MEMORY_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
+                 "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}
+
+
+class ConfigError(ValueError):
+    """A configuration value a user chose is not usable; the message says what to change."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and at what precision. ``path`` is a resolved folder or ``.gguf`` file."""
+
+    path: str
+    dtype: str
+    max_model_len: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {self.dtype!r}")
+        _require(self.max_model_len >= 2, f"max_model_len must be at least 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how much memory (or how many blocks) it gets."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+                 f"block_size must be a power of two up to 128, got {self.block_size}")
+        _require(self.num_blocks is None or self.num_blocks >= 2,
+                 f"num_blocks must be at least 2 (one is the null block), got {self.num_blocks}")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+                 f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits per step and the scheduling policy (an entry point in ``cadence.policies``)."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no cap on one request's prefill chunk
+    policy: str = "fcfs"
+    policy_options: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        _require(self.long_prefill_token_threshold >= 0,
+                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size == 1,
+                 "tensor_parallel_size > 1 is not supported yet; use 1")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs and with how many intra-op threads (None: every core)."""
+
+    device: str = "cpu"
+    num_threads: int | None = None
+    attention_backend: str | None = None  # None: chosen by device
+
+    def __post_init__(self) -> None:
+        _require(self.num_threads is None or self.num_threads >= 1,
+                 f"num_threads must be at least 1, got {self.num_threads}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ConfigError(f"device {self.device!r} is not a torch device: {exc}") from None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        if not self.scheduler.enable_chunked_prefill:
+            _require(self.scheduler.max_num_batched_tokens >= self.model.max_model_len,
+                     f"without chunked prefill, max_num_batched_tokens ({self.scheduler.max_num_batched_tokens})"
+                     f" must be at least max_model_len ({self.model.max_model_len}) so every prompt fits a step")
+
+
+def parse_memory(text: str | int) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1e9"`` or an int of bytes -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _MEMORY_UNITS:
+        raise ConfigError(f"cannot read memory size {text!r}; write e.g. 2GiB, 512MB or a byte count")
+    return int(float(match.group(1)) * _MEMORY_UNITS[unit])
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``auto`` is bf16 where the CPU has native bf16 (AVX-512 BF16 / AMX), else fp32."""
+    if dtype != "auto":
+        return dtype
+    if torch.cuda.is_available():
+        return "bfloat16"
+    return "bfloat16" if _cpu_has_bf16() else "float32"
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

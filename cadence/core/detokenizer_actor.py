@@ -1,0 +1,95 @@
+"""The detokenizer actor: token ids -> incremental text per sequence, stop strings, finish reasons.
+
+When a stop string matches, the sequence is finished here and the engine core is told to abort it.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from cadence.core.actor import UNBOUNDED, Actor
+from cadence.core.detokenizer import IncrementalDetokenizer
+from cadence.messages import (
+    AbortRequests,
+    DetokenizedOutputs,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SequenceDelta,
+    TrackRequest,
+)
+from cadence.sampling_params import SamplingParams
+
+DetokenizerInbox = TrackRequest | EngineCoreOutputs
+
+
+class _Sequence:
+    __slots__ = ("detokenizer", "params")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, params: SamplingParams) -> None:
+        self.detokenizer = detokenizer
+        self.params = params
+
+
+class DetokenizerActor(Actor[DetokenizerInbox]):
+    inbox_size = UNBOUNDED
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.sequences: dict[str, _Sequence] = {}
+        self.engine_core: Actor
+        self.outputs_to: Actor
+
+    def connect(self, engine_core: Actor, outputs_to: Actor) -> None:
+        self.engine_core = engine_core
+        self.outputs_to = outputs_to
+
+    async def run(self) -> None:
+        async with self.inbox:
+            async for message in self.inbox:
+                if isinstance(message, TrackRequest):
+                    self.sequences[message.request_id] = _Sequence(
+                        IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, message.sampling_params),
+                        message.sampling_params)
+                else:
+                    await self._process(message)
+
+    async def _process(self, batch: EngineCoreOutputs) -> None:
+        deltas = []
+        stopped = []
+        for output in batch.outputs:
+            sequence = self.sequences.get(output.request_id)
+            if sequence is None:
+                continue  # finished here already (stop string); the engine's abort echo
+            delta = self._delta(sequence, output)
+            if delta.finish_reason is not None:
+                del self.sequences[output.request_id]
+                if output.finish_reason is None:
+                    stopped.append(output.request_id)
+            deltas.append(delta)
+        if stopped:
+            await self.engine_core.send(AbortRequests(stopped))
+        if deltas:
+            await self.outputs_to.send(DetokenizedOutputs(deltas))
+
+    def _delta(self, sequence: _Sequence, output: EngineCoreOutput) -> SequenceDelta:
+        update = sequence.detokenizer.update(output.new_token_ids)
+        text = update.new_text
+        finish_reason = output.finish_reason
+        stop_reason: str | int | None = None
+        if update.stop_string is not None:
+            finish_reason, stop_reason = "stop", update.stop_string
+        elif finish_reason is not None:
+            text += sequence.detokenizer.flush()
+            last = output.new_token_ids[-1] if output.new_token_ids else None
+            if finish_reason == "stop" and last in sequence.params.stop_token_ids:
+                stop_reason = last
+        return SequenceDelta(
+            request_id=output.request_id,
+            new_text=text,
+            new_token_ids=output.new_token_ids,
+            new_logprobs=output.new_logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_cached_tokens=output.num_cached_tokens,
+        )

@@ -1,0 +1,111 @@
+"""The engine-core actor: the loop around the scheduler.
+
+Take new messages without blocking while work exists (block when idle, using no CPU), schedule,
+hand the step to the executor, apply its result, emit outputs. At most one message per actor pair
+per step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+
+from cadence.core.actor import UNBOUNDED, Actor
+from cadence.core.scheduler import Scheduler
+from cadence.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ExecutorFailed,
+    ModelRunnerOutput,
+    SchedulerInbox,
+)
+from cadence.request import Request
+
+
+class ExecutorError(RuntimeError):
+    """The worker failed while running a step."""
+
+
+class EngineCoreActor(Actor[SchedulerInbox]):
+    # Unbounded: the front end bounds admissions; a bound here could deadlock the
+    # scheduler -> detokenizer -> scheduler (abort) cycle.
+    inbox_size = UNBOUNDED
+
+    def __init__(self, scheduler: Scheduler, max_model_len: int) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.executor: Actor
+        self.outputs_to: Actor
+        self._pending: list[EngineCoreOutput] = []
+
+    def connect(self, executor: Actor, outputs_to: Actor) -> None:
+        self.executor = executor
+        self.outputs_to = outputs_to
+
+    async def run(self) -> None:
+        try:
+            while await self._take_messages():
+                if self.scheduler.num_unfinished:
+                    await self._step()
+                if self._pending:
+                    await self._emit()
+        finally:
+            self.executor.close()
+
+    async def _take_messages(self) -> bool:
+        """Block for a message when idle, then drain the inbox. False once the inbox is closed."""
+        if not self.scheduler.num_unfinished and not self._pending:
+            try:
+                self._handle(await self.inbox.receive())
+            except anyio.EndOfStream:
+                return False
+        while True:
+            try:
+                self._handle(self.inbox.receive_nowait())
+            except anyio.WouldBlock:
+                return True
+            except anyio.EndOfStream:
+                return bool(self.scheduler.num_unfinished)
+
+    def _handle(self, message: SchedulerInbox) -> None:
+        if isinstance(message, EngineCoreRequest):
+            self.scheduler.add_request(Request(
+                request_id=message.request_id,
+                prompt_token_ids=message.prompt_token_ids,
+                sampling_params=message.sampling_params,
+                eos_token_id=message.eos_token_id,
+                arrival_time=message.arrival_time,
+                max_model_len=self.max_model_len,
+                priority=message.priority,
+                user=message.user,
+            ))
+        elif isinstance(message, AbortRequests):
+            self._pending.extend(self.scheduler.abort_requests(message.request_ids))
+        else:
+            raise TypeError(f"engine core got an unexpected {type(message).__name__} outside a step")
+
+    async def _step(self) -> None:
+        step = self.scheduler.schedule()
+        if not step.num_scheduled_tokens and not self.scheduler.running:
+            # Admission checks guarantee the first waiting request fits an empty engine.
+            raise RuntimeError(f"no waiting request can be scheduled on an idle engine: {self.scheduler.waiting[0]}")
+        await self.executor.send(step)
+        while True:
+            try:
+                message = await self.inbox.receive()
+            except anyio.EndOfStream:
+                raise RuntimeError("engine core inbox closed while a step was running") from None
+            if isinstance(message, ModelRunnerOutput):
+                break
+            if isinstance(message, ExecutorFailed):
+                raise ExecutorError(f"step {message.step_id} failed in the worker: {message.error}")
+            self._handle(message)
+        self._pending.extend(self.scheduler.update_from_output(message))
+
+    async def _emit(self) -> None:
+        outputs, self._pending = self._pending, []
+        await self.outputs_to.send(EngineCoreOutputs(outputs, time.time()))

