@@ -9,7 +9,7 @@ import anyio
 from tqdm import tqdm
 
 from cadence.core.engine import Engine
-from cadence.core.request_manager import Prompt
+from cadence.core.request_manager import Prompt, tokenize_prompt, validate_request
 from cadence.engine_args import EngineArgs
 from cadence.messages import RequestOutput
 from cadence.sampling_params import SamplingParams
@@ -61,9 +61,9 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        prompts: list[Prompt] = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        batch = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        prompts: list[Prompt] = [self.apply_chat_template(c, add_generation_prompt)  # type: ignore[arg-type]
+                                 for c in batch]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
@@ -73,27 +73,25 @@ class LLM:
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
                         use_tqdm: bool) -> list[RequestOutput]:
-        async with self.engine.running() as manager:
-            # Validate everything first so a bad prompt admits nothing.
-            for prompt, p in zip(prompts, params, strict=True):
-                manager.validate(manager.tokenize(prompt), p)
+        engine = self.engine
+        # Tokenize and validate everything first so that a bad prompt admits nothing.
+        token_ids = [tokenize_prompt(engine.tokenizer, prompt) for prompt in prompts]
+        for ids, p in zip(token_ids, params, strict=True):
+            validate_request(engine.limits, ids, p)
+        progress = tqdm(total=len(prompts), desc="Generating", unit="req",
+                        disable=not use_tqdm or len(prompts) < _PROGRESS_MIN_PROMPTS)
+        results: list[RequestOutput] = []
+        async with engine.running() as manager:
             handles = []
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, ids, p in zip(prompts, token_ids, params, strict=True):
                 self._counter += 1
-                handles.append(await manager.add_request(str(self._counter), prompt, p))
-            progress = tqdm(total=len(handles), desc="Generating", unit="req",
-                            disable=not use_tqdm or len(handles) < _PROGRESS_MIN_PROMPTS)
-            results: list[RequestOutput | None] = [None] * len(handles)
-
-            async def collect(i: int) -> None:
-                results[i] = await handles[i].result()
+                handles.append(await manager.add_request(str(self._counter), ids, p,
+                                                         prompt_text=prompt if isinstance(prompt, str) else None))
+            for handle in handles:
+                results.append(await handle.result())
                 progress.update(1)
-
-            async with anyio.create_task_group() as group:
-                for i in range(len(handles)):
-                    group.start_soon(collect, i)
-            progress.close()
-        return [r for r in results if r is not None]
+        progress.close()
+        return results
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -12,10 +12,10 @@ import abc
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ class Actor(abc.ABC, Generic[M]):
     inbox_size: float = 256
 
     def __init__(self) -> None:
-        self._send: ObjectSendStream[M]
-        self.inbox: ObjectReceiveStream[M]
+        self._send: MemoryObjectSendStream[M]
+        self.inbox: MemoryObjectReceiveStream[M]
         self._send, self.inbox = anyio.create_memory_object_stream[M](self.inbox_size)
 
     @property
@@ -59,7 +59,7 @@ class Actor(abc.ABC, Generic[M]):
 CrashHandler = Callable[[str], Awaitable[None] | None]
 
 
-async def run_actors(actors: Sequence[Actor[object]], on_crash: CrashHandler,
+async def run_actors(actors: Sequence[Actor[Any]], on_crash: CrashHandler,
                      started: anyio.Event | None = None) -> None:
     """Run every actor in one task group until all return or one crashes.
 
@@ -67,7 +67,7 @@ async def run_actors(actors: Sequence[Actor[object]], on_crash: CrashHandler,
     there, and the other actors are cancelled.
     """
 
-    async def supervise(actor: Actor[object], scope: anyio.CancelScope) -> None:
+    async def supervise(actor: Actor[Any], scope: anyio.CancelScope) -> None:
         try:
             await actor.run()
         except Exception as exc:

@@ -73,16 +73,17 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
             await self.outputs_to.send(DetokenizedOutputs(deltas))
 
     def _delta(self, sequence: _Sequence, output: EngineCoreOutput) -> SequenceDelta:
-        update = sequence.detokenizer.update(output.new_token_ids)
-        text = update.new_text
+        detokenizer = sequence.detokenizer
+        text = detokenizer.update(output.new_token_ids).new_text
         finish_reason = output.finish_reason
         stop_reason: str | int | None = None
-        if update.stop_string is not None:
-            finish_reason, stop_reason = "stop", update.stop_string
-        elif finish_reason is not None:
-            text += sequence.detokenizer.flush()
-            last = output.new_token_ids[-1] if output.new_token_ids else None
-            if finish_reason == "stop" and last in sequence.params.stop_token_ids:
+        if finish_reason is not None and detokenizer.stop_string is None:
+            text += detokenizer.flush()  # may itself complete a stop string
+        if detokenizer.stop_string is not None:
+            finish_reason, stop_reason = "stop", detokenizer.stop_string
+        elif finish_reason == "stop" and output.new_token_ids:
+            last = output.new_token_ids[-1]
+            if last in sequence.params.stop_token_ids:
                 stop_reason = last
         return SequenceDelta(
             request_id=output.request_id,

@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio
 import torch
 
 from cadence.config import EngineConfig
-from cadence.core.actor import EngineDeadError, run_actors
+from cadence.core.actor import Actor, EngineDeadError, run_actors
 from cadence.core.detokenizer_actor import DetokenizerActor
 from cadence.core.engine_core import EngineCoreActor
 from cadence.core.executor import ExecutorActor
@@ -68,14 +69,20 @@ class Engine:
         core.connect(executor, detokenizer)
         detokenizer.connect(core, manager)
         manager.connect(core, detokenizer)
+        error: BaseException | None = None
         async with anyio.create_task_group() as group:
-            group.start_soon(run_actors, [core, executor, detokenizer, manager], self._on_crash(manager))
+            actors: list[Actor[Any]] = [core, executor, detokenizer, manager]
+            group.start_soon(run_actors, actors, self._on_crash(manager))
             try:
                 yield manager
+            except BaseException as exc:  # re-raised below, unwrapped from the task group's ExceptionGroup
+                error = exc
             finally:
                 group.cancel_scope.cancel()
                 # Whatever the caller left unfinished is aborted so the next run starts clean.
                 self.scheduler.abort_requests(list(self.scheduler.requests))
+        if error is not None:
+            raise error
 
     def _on_crash(self, manager: RequestManager) -> Callable[[str], None]:
         def crashed(error: str) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import anyio
 import msgspec
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from transformers import PreTrainedTokenizerBase
 
 from cadence.core.actor import UNBOUNDED, Actor, EngineDeadError
@@ -39,11 +39,36 @@ class ModelLimits:
     eos_token_id: int | None
 
 
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    """Token ids of a text prompt; a token-id prompt as a fresh list."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt).input_ids)
+    return list(prompt)
+
+
+def validate_request(limits: ModelLimits, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """Raise ``ValueError`` saying what to change if the request cannot be served."""
+    num = len(prompt_token_ids)
+    if num == 0:
+        raise ValueError("the prompt is empty; give at least one token")
+    if num >= limits.max_model_len:
+        raise ValueError(f"the prompt has {num} tokens but the model's context length (max_model_len) is "
+                         f"{limits.max_model_len}; shorten the prompt to at most {limits.max_model_len - 1}")
+    if any(not isinstance(t, int) or not 0 <= t < limits.vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {limits.vocab_size})")
+    params.validate_against(limits.vocab_size)
+    max_tokens = params.max_tokens or limits.max_model_len
+    needed = min(num + max_tokens, limits.max_model_len)
+    if needed > limits.kv_capacity_tokens:
+        raise ValueError(f"the request needs up to {needed} tokens of KV cache but the whole cache holds "
+                         f"{limits.kv_capacity_tokens}; lower max_tokens or raise --kv-cache-memory")
+
+
 class RequestHandle:
     """The caller's side of one request: its output stream, folded into cumulative results."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
-                 stream: ObjectReceiveStream[list[SequenceDelta]]) -> None:
+                 stream: MemoryObjectReceiveStream[list[SequenceDelta]]) -> None:
         self.request_id = request_id
         self._stream = stream
         self._output = RequestOutput(
@@ -116,7 +141,7 @@ class RequestManager(Actor[DetokenizedOutputs]):
         super().__init__()
         self.tokenizer = tokenizer
         self.limits = limits
-        self._streams: dict[str, ObjectSendStream[list[SequenceDelta]]] = {}
+        self._streams: dict[str, MemoryObjectSendStream[list[SequenceDelta]]] = {}
         self._num_children: dict[str, int] = {}
         self._finished_children: dict[str, set[str]] = {}
         self._dead: str | None = None
@@ -133,41 +158,20 @@ class RequestManager(Actor[DetokenizedOutputs]):
 
     # ---- admission ---------------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt).input_ids)
-        return list(prompt)
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` saying what to change if the request cannot be served."""
-        limits = self.limits
-        num = len(prompt_token_ids)
-        if num == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        if num >= limits.max_model_len:
-            raise ValueError(f"the prompt has {num} tokens but the model's context length (max_model_len) is "
-                             f"{limits.max_model_len}; shorten the prompt to at most {limits.max_model_len - 1}")
-        if any(not isinstance(t, int) or not 0 <= t < limits.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {limits.vocab_size})")
-        params.validate_against(limits.vocab_size)
-        max_tokens = params.max_tokens or limits.max_model_len
-        needed = min(num + max_tokens, limits.max_model_len)
-        if needed > limits.kv_capacity_tokens:
-            raise ValueError(f"the request needs up to {needed} tokens of KV cache but the whole cache holds "
-                             f"{limits.kv_capacity_tokens}; lower max_tokens or raise --kv-cache-memory")
-
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
-                          priority: int = 0, user: str | None = None) -> RequestHandle:
+                          priority: int = 0, user: str | None = None,
+                          prompt_text: str | None = None) -> RequestHandle:
         """Validate, tokenize and submit; nothing is sent unless every check passes."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if request_id in self._streams or any(k.startswith(f"{request_id}#") for k in self._streams):
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_token_ids = self.tokenize(prompt)
-        self.validate(prompt_token_ids, params)
+        prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
+        validate_request(self.limits, prompt_token_ids, params)
         send, receive = anyio.create_memory_object_stream[list[SequenceDelta]](math.inf)
-        handle = RequestHandle(request_id, prompt if isinstance(prompt, str) else None,
-                               prompt_token_ids, params.n, receive)
+        if isinstance(prompt, str):
+            prompt_text = prompt
+        handle = RequestHandle(request_id, prompt_text, prompt_token_ids, params.n, receive)
         self._streams[request_id] = send
         self._num_children[request_id] = params.n
         arrival = time.time()

@@ -117,7 +117,7 @@ class Scheduler:
             blocks = self.allocator.allocate(request, num)
             if blocks is not None:
                 return blocks
-            victim = self.policy.pick_victim(self.running, request)
+            victim = self.requests[self.policy.pick_victim(self.running, request).request_id]
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:

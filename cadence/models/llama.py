@@ -1,0 +1,340 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+Numerics follow Hugging Face transformers op for op (RMSNorm in fp32 then cast back, RoPE tables
+computed in fp32 then cast, SDPA scale ``head_dim ** -0.5``) so that greedy decoding matches it
+token for token in fp32. Two things differ in layout only: q/k/v are one fused linear and
+gate/up another, so each layer runs two GEMMs fewer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from cadence.backends.base import AttentionBackend
+
+# RoPE types whose frequencies change with the sequence length inside a forward pass; a table
+# precomputed once cannot follow them. ("dynamic" only rescales past max_position_embeddings,
+# which we never reach, so its table is exact.)
+_LENGTH_DEPENDENT_ROPE = {"longrope"}
+
+# Checkpoint projection -> (our fused projection, shard index within it).
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """Per-head size: ``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: PretrainedConfig) -> int | None:
+    """The attention window of the layers that use one (None: every layer sees the whole context).
+
+    A query at position ``p`` then sees keys at ``p - window < position <= p`` (Hugging Face's
+    convention), so full causal attention is exact for sequences of at most ``window`` tokens.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies ``[head_dim // 2]`` (fp32) and the cos/sin scale, as in transformers.
+
+    :raises ValueError: the RoPE type is unknown or depends on the sequence length.
+    """
+    params = config.rope_parameters
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        # transformers keeps the default rule on each model class; this is the same expression.
+        dim = head_dim_of(config)
+        base = params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if rope_type in _LENGTH_DEPENDENT_ROPE or rope_type not in ROPE_INIT_FUNCTIONS:
+        supported = sorted({"default", *ROPE_INIT_FUNCTIONS} - _LENGTH_DEPENDENT_ROPE)
+        raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(supported)}")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return inv_freq, float(scale)
+
+
+class RMSNorm(nn.Module):
+    """Normalises in fp32 and casts back before the weight, exactly as ``LlamaRMSNorm``."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to ``max_position_embeddings``, in the model dtype."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        table = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (table.cos() * scale).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", (table.sin() * scale).to(device=device, dtype=dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, head_dim]`` cos and sin, broadcasting over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+            device: torch.device | str) -> nn.Linear:
+    # Uninitialised: load_weights overwrites every parameter (and checks that it did).
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype,
+                                    device=device)
+
+
+class Attention(nn.Module):
+    fused_name: ClassVar[str] = "qkv_proj"
+
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool, o_bias: bool,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.shard_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = _linear(config.hidden_size, q_size + 2 * kv_size, qkv_bias, dtype, device)
+        self.o_proj = _linear(q_size, config.hidden_size, o_bias, dtype, device)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: object) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q = _apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = _apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    fused_name: ClassVar[str] = "gate_up_proj"
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.shard_sizes = [config.intermediate_size] * 2
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype, device)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, bias, dtype, device)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.shard_sizes, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, attention: Attention, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = MLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: object) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn_metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, layers: list[DecoderLayer], dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, config.vocab_size, config.hidden_size,
+                                                     dtype=dtype, device=device)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A decoder-only Llama-family model that reads and writes K/V through an attention backend.
+
+    Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``;
+    :meth:`load_weights` takes Hugging Face names. Parameters are uninitialised until then. Models
+    with a sliding window (see :func:`sliding_window_of`) are exact only up to that many tokens:
+    the backends attend over the whole context, so cap ``max_model_len`` at the window.
+    """
+
+    # (bias on q/k/v, bias on o); Llama reads both from config.attention_bias.
+    fixed_biases: ClassVar[tuple[bool, bool] | None] = None
+
+    def __init__(self, hf_config: PretrainedConfig, backend_cls: type[AttentionBackend], dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.head_dim = head_dim_of(hf_config)
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.num_layers = hf_config.num_hidden_layers
+        # Layers differ only in weights, so they share one backend object.
+        self.attn_backend = backend_cls(hf_config.num_attention_heads, self.num_kv_heads, self.head_dim,
+                                        self.head_dim ** -0.5)
+        qkv_bias, o_bias = self._biases(hf_config)
+        layers = [
+            DecoderLayer(hf_config, Attention(hf_config, self.attn_backend, qkv_bias, o_bias, dtype, device),
+                         dtype, device)
+            for _ in range(self.num_layers)
+        ]
+        self.model = LlamaModel(hf_config, layers, dtype, device)
+        self.rotary_emb = RotaryEmbedding(hf_config, dtype, device)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = _linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype, device)
+
+    @classmethod
+    def _biases(cls, config: PretrainedConfig) -> tuple[bool, bool]:
+        if cls.fixed_biases is not None:
+            return cls.fixed_biases
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: object,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the step's ``T`` tokens; return fp32 logits ``[B, vocab]`` of the rows ``logits_indices``.
+
+        ``input_ids`` and ``positions`` are ``[T]`` int64 on the model's device; ``kv_caches``
+        holds one ``(k_cache, v_cache)`` per layer; ``attn_metadata`` comes from this model's
+        backend class's ``build_metadata`` for the same step.
+        """
+        cos, sin = self.rotary_emb(positions)
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, attn_metadata)
+        # The norm is per token and the LM head is the largest GEMM: run both on sampled rows only.
+        h = self.model.norm(h[logits_indices])
+        return F.linear(h, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the parameters, converting to the model dtype.
+
+        :raises ValueError: a name this model does not have, a shape that does not match, or a
+            parameter the weights never provided.
+        """
+        params = dict(self.named_parameters())
+        row_ranges = self._row_ranges()
+        loaded: set[tuple[str, int]] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb." in hf_name or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
+                continue
+            name, shard = _our_name(hf_name)
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
+            rows = row_ranges[name][shard]
+            target = params[name][rows]
+            if target.shape != tensor.shape:
+                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} does not fit "
+                                 f"{name} rows {rows.start}:{rows.stop} ({tuple(target.shape)})")
+            with torch.no_grad():
+                target.copy_(tensor)
+            loaded.add((name, shard))
+        missing = sorted(f"{name}[{shard}]" for name, ranges in row_ranges.items()
+                         for shard in range(len(ranges)) if (name, shard) not in loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _row_ranges(self) -> dict[str, list[slice]]:
+        """Each parameter's rows that one checkpoint tensor fills: one range per fused shard."""
+        ranges = {name: [slice(0, param.shape[0])] for name, param in self.named_parameters()}
+        for prefix, module in self.named_modules():
+            if isinstance(module, (Attention, MLP)):
+                bounds = [0, *itertools.accumulate(module.shard_sizes)]
+                for suffix in ("weight", "bias"):
+                    name = f"{prefix}.{module.fused_name}.{suffix}"
+                    if name in ranges:
+                        ranges[name] = [slice(a, b) for a, b in itertools.pairwise(bounds)]
+        return ranges
+
+
+def _our_name(hf_name: str) -> tuple[str, int]:
+    """Our parameter name for a Hugging Face one, and the shard it fills (0 when not fused)."""
+    parts = hf_name.split(".")
+    fused = _FUSED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
+    if fused is None:
+        return hf_name, 0
+    parts[-2] = fused[0]
+    return ".".join(parts), fused[1]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    fixed_biases = (False, False)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    fixed_biases = (True, False)
+
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+_BY_MODEL_TYPE = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
+
+
+def model_class_for(hf_config: PretrainedConfig) -> type[LlamaForCausalLM]:
+    """The class for ``hf_config.architectures`` (or, when a config names none, its ``model_type``).
+
+    :raises ValueError: the architecture is not one cadence implements.
+    """
+    architectures = getattr(hf_config, "architectures", None) or []
+    for arch in architectures:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    if not architectures and getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[hf_config.model_type]
+    named = ", ".join(architectures) or f"model_type {getattr(hf_config, 'model_type', None)!r}"
+    raise ValueError(f"unsupported architecture {named}; supported: {', '.join(MODEL_REGISTRY)}")

