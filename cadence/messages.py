@@ -113,11 +113,34 @@ class EngineCoreOutput(_Message):
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    # Set on a request's first output: seconds from arrival in the engine to its first step.
+    queue_time_s: float | None = None
+
+
+class SchedulerStats(_Message):
+    """The engine core's state after a step, for metrics and health (counters are cumulative)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
 
 
 class EngineCoreOutputs(_Message):
     outputs: list[EngineCoreOutput]
     timestamp: float
+    stats: SchedulerStats | None = None
+
+
+class EngineCoreReady(_Message):
+    """The engine-core process loaded the model and sized its KV cache; it takes requests now."""
+
+    num_blocks: int
+    block_size: int
 
 
 class EngineDead(_Message):
@@ -162,6 +185,7 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    queue_time_s: float | None = None
 
 
 class DetokenizedOutputs(_Message):
@@ -180,9 +204,10 @@ class SequenceDelta(_Message):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    queue_time_s: float | None = None
     error: str | None = None
 
 
 EngineCoreInput = EngineCoreRequest | AbortRequests
 SchedulerInbox = EngineCoreRequest | AbortRequests | ModelRunnerOutput | ExecutorFailed
-FrontendInbox = EngineCoreOutputs | EngineDead
+EngineCoreEvent = EngineCoreOutputs | EngineCoreReady | EngineDead

@@ -12,7 +12,7 @@ import abc
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -20,10 +20,19 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
+M_contra = TypeVar("M_contra", contravariant=True)
 
 
 class EngineDeadError(RuntimeError):
     """The engine stopped (an actor crashed or the engine process died); the request cannot finish."""
+
+
+class Mailbox(Protocol[M_contra]):
+    """Where an actor sends: another actor's inbox, or a channel to another process."""
+
+    async def send(self, message: M_contra) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Actor(abc.ABC, Generic[M]):

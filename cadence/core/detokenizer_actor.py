@@ -5,15 +5,18 @@ When a stop string matches, the sequence is finished here and the engine core is
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PreTrainedTokenizerBase
 
-from cadence.core.actor import UNBOUNDED, Actor
+from cadence.core.actor import UNBOUNDED, Actor, Mailbox
 from cadence.core.detokenizer import IncrementalDetokenizer
 from cadence.messages import (
     AbortRequests,
     DetokenizedOutputs,
     EngineCoreOutput,
     EngineCoreOutputs,
+    SchedulerStats,
     SequenceDelta,
     TrackRequest,
 )
@@ -37,10 +40,12 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
         super().__init__()
         self.tokenizer = tokenizer
         self.sequences: dict[str, _Sequence] = {}
-        self.engine_core: Actor
-        self.outputs_to: Actor
+        # The engine core's state as of its latest step (metrics, health, tests).
+        self.latest_stats: SchedulerStats | None = None
+        self.engine_core: Mailbox[Any]
+        self.outputs_to: Mailbox[Any]
 
-    def connect(self, engine_core: Actor, outputs_to: Actor) -> None:
+    def connect(self, engine_core: Mailbox[Any], outputs_to: Mailbox[Any]) -> None:
         self.engine_core = engine_core
         self.outputs_to = outputs_to
 
@@ -55,6 +60,8 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
                     await self._process(message)
 
     async def _process(self, batch: EngineCoreOutputs) -> None:
+        if batch.stats is not None:
+            self.latest_stats = batch.stats
         deltas = []
         stopped = []
         for output in batch.outputs:
@@ -93,4 +100,5 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_cached_tokens=output.num_cached_tokens,
+            queue_time_s=output.queue_time_s,
         )

@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from cadence.config import EngineConfig
-from cadence.core.actor import Actor, EngineDeadError, run_actors
+from cadence.core.actor import Actor, EngineDeadError, Mailbox, run_actors
 from cadence.core.detokenizer_actor import DetokenizerActor
 from cadence.core.engine_core import EngineCoreActor
 from cadence.core.executor import ExecutorActor
@@ -30,9 +32,18 @@ from cadence.policies.loader import load_policy
 logger = logging.getLogger(__name__)
 
 
-class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+@dataclass
+class EngineCore:
+    """The engine-core side: model worker, KV allocator and scheduler (one process's worth)."""
+
+    config: EngineConfig
+    hf_config: PretrainedConfig
+    worker: Worker
+    allocator: KVAllocator
+    scheduler: Scheduler
+
+    @classmethod
+    def build(cls, config: EngineConfig) -> EngineCore:
         sched = config.scheduler
         # Fail on a bad policy name before the (slower) model load.
         policy = load_policy(sched.policy, PolicyContext(
@@ -40,39 +51,73 @@ class Engine:
             enable_chunked_prefill=sched.enable_chunked_prefill,
             long_prefill_token_threshold=sched.long_prefill_token_threshold), sched.policy_options)
         torch.manual_seed(config.model.seed)
-        self.hf_config = load_hf_config(config.model.path)
+        hf_config = load_hf_config(config.model.path)
+        worker = Worker(config, hf_config)
+        allocator = KVAllocator(worker.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        return cls(config, hf_config, worker, allocator, Scheduler(sched, allocator, policy))
+
+    def actors(self, outputs_to: Mailbox[Any]) -> tuple[EngineCoreActor, ExecutorActor]:
+        """Fresh engine-core and executor actors over these components."""
+        core = EngineCoreActor(self.scheduler, self.config.model.max_model_len)
+        executor = ExecutorActor(self.worker, core)
+        core.connect(executor, outputs_to)
+        return core, executor
+
+    def abort_all(self) -> None:
+        self.scheduler.abort_requests(list(self.scheduler.requests))
+
+
+def model_limits(config: EngineConfig, hf_config: PretrainedConfig, num_blocks: int,
+                 tokenizer: PreTrainedTokenizerBase) -> ModelLimits:
+    return ModelLimits(
+        max_model_len=config.model.max_model_len,
+        vocab_size=hf_config.vocab_size,
+        kv_capacity_tokens=(num_blocks - 1) * config.cache.block_size,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+class Engine:
+    """The whole engine in one process, for offline generation and tests."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore.build(config)
         self.tokenizer = load_tokenizer(config.model.path)
-        self.worker = Worker(config, self.hf_config)
-        self.allocator = KVAllocator(self.worker.num_blocks, config.cache.block_size,
-                                     config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.allocator, policy)
-        self.limits = ModelLimits(
-            max_model_len=config.model.max_model_len,
-            vocab_size=self.hf_config.vocab_size,
-            kv_capacity_tokens=(self.worker.num_blocks - 1) * config.cache.block_size,
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
+        self.limits = model_limits(config, self.core.hf_config, self.core.worker.num_blocks, self.tokenizer)
         self.dead: str | None = None
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def allocator(self) -> KVAllocator:
+        return self.core.allocator
+
+    @property
+    def worker(self) -> Worker:
+        return self.core.worker
+
     @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[RequestManager]:
+    async def running(self, on_crash: Callable[[str], None] | None = None) -> AsyncIterator[RequestManager]:
         """Run the actors; yields the request manager to submit requests through.
+
+        ``on_crash`` is told (after pending requests have failed) if an actor crashes.
 
         :raises EngineDeadError: if an earlier run crashed (the engine's state is no longer sound).
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        core = EngineCoreActor(self.scheduler, self.config.model.max_model_len)
-        executor = ExecutorActor(self.worker, core)
         detokenizer = DetokenizerActor(self.tokenizer)
         manager = RequestManager(self.tokenizer, self.limits)
-        core.connect(executor, detokenizer)
+        core, executor = self.core.actors(detokenizer)
         detokenizer.connect(core, manager)
         manager.connect(core, detokenizer)
         error: BaseException | None = None
         async with anyio.create_task_group() as group:
             actors: list[Actor[Any]] = [core, executor, detokenizer, manager]
-            group.start_soon(run_actors, actors, self._on_crash(manager))
+            group.start_soon(run_actors, actors, self._on_crash(manager, on_crash))
             try:
                 yield manager
             except BaseException as exc:  # re-raised below, unwrapped from the task group's ExceptionGroup
@@ -80,12 +125,14 @@ class Engine:
             finally:
                 group.cancel_scope.cancel()
                 # Whatever the caller left unfinished is aborted so the next run starts clean.
-                self.scheduler.abort_requests(list(self.scheduler.requests))
+                self.core.abort_all()
         if error is not None:
             raise error
 
-    def _on_crash(self, manager: RequestManager) -> Callable[[str], None]:
+    def _on_crash(self, manager: RequestManager, hook: Callable[[str], None] | None) -> Callable[[str], None]:
         def crashed(error: str) -> None:
             self.dead = error
             manager.fail_all(error)
+            if hook is not None:
+                hook(error)
         return crashed

@@ -8,10 +8,11 @@ per step.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 
-from cadence.core.actor import UNBOUNDED, Actor
+from cadence.core.actor import UNBOUNDED, Actor, Mailbox
 from cadence.core.scheduler import Scheduler
 from cadence.messages import (
     AbortRequests,
@@ -21,6 +22,7 @@ from cadence.messages import (
     ExecutorFailed,
     ModelRunnerOutput,
     SchedulerInbox,
+    SchedulerStats,
 )
 from cadence.request import Request
 
@@ -38,11 +40,13 @@ class EngineCoreActor(Actor[SchedulerInbox]):
         super().__init__()
         self.scheduler = scheduler
         self.max_model_len = max_model_len
-        self.executor: Actor
-        self.outputs_to: Actor
+        self.executor: Mailbox[Any]
+        self.outputs_to: Mailbox[Any]
         self._pending: list[EngineCoreOutput] = []
+        # Wall time each request was first scheduled, until its first output reports its queue time.
+        self._first_scheduled: dict[str, float] = {}
 
-    def connect(self, executor: Actor, outputs_to: Actor) -> None:
+    def connect(self, executor: Mailbox[Any], outputs_to: Mailbox[Any]) -> None:
         self.executor = executor
         self.outputs_to = outputs_to
 
@@ -93,6 +97,11 @@ class EngineCoreActor(Actor[SchedulerInbox]):
         if not step.num_scheduled_tokens and not self.scheduler.running:
             # Admission checks guarantee the first waiting request fits an empty engine.
             raise RuntimeError(f"no waiting request can be scheduled on an idle engine: {self.scheduler.waiting[0]}")
+        now = time.time()
+        for new in step.new_requests:
+            request = self.scheduler.requests[new.request_id]
+            if request.num_output_tokens == 0 and request.num_preemptions == 0:
+                self._first_scheduled[new.request_id] = now - request.arrival_time
         await self.executor.send(step)
         while True:
             try:
@@ -104,8 +113,27 @@ class EngineCoreActor(Actor[SchedulerInbox]):
             if isinstance(message, ExecutorFailed):
                 raise ExecutorError(f"step {message.step_id} failed in the worker: {message.error}")
             self._handle(message)
-        self._pending.extend(self.scheduler.update_from_output(message))
+        outputs = self.scheduler.update_from_output(message)
+        for output in outputs:
+            output.queue_time_s = self._first_scheduled.pop(output.request_id, None)
+        self._pending.extend(outputs)
 
     async def _emit(self) -> None:
         outputs, self._pending = self._pending, []
-        await self.outputs_to.send(EngineCoreOutputs(outputs, time.time()))
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._first_scheduled.pop(output.request_id, None)
+        await self.outputs_to.send(EngineCoreOutputs(outputs, time.time(), self.stats()))
+
+    def stats(self) -> SchedulerStats:
+        scheduler, allocator = self.scheduler, self.scheduler.allocator
+        return SchedulerStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=allocator.usage,
+            num_free_blocks=allocator.num_free_blocks,
+            num_blocks=allocator.num_blocks,
+            prefix_cache_queries=allocator.prefix_cache_queries,
+            prefix_cache_hits=allocator.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+        )

@@ -6,9 +6,11 @@ new requests and emit outputs while the forward pass computes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio.to_thread
 
-from cadence.core.actor import Actor
+from cadence.core.actor import Actor, Mailbox
 from cadence.core.worker import Worker
 from cadence.messages import ExecutorFailed, SchedulerOutput
 
@@ -16,7 +18,7 @@ from cadence.messages import ExecutorFailed, SchedulerOutput
 class ExecutorActor(Actor[SchedulerOutput]):
     """In-process executor over one worker; replies to the scheduler actor."""
 
-    def __init__(self, worker: Worker, reply_to: Actor) -> None:
+    def __init__(self, worker: Worker, reply_to: Mailbox[Any]) -> None:
         super().__init__()
         self.worker = worker
         self.reply_to = reply_to

@@ -4,17 +4,20 @@ stream per request, and fails every pending request at once if the engine dies.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from transformers import PreTrainedTokenizerBase
 
-from cadence.core.actor import UNBOUNDED, Actor, EngineDeadError
+from cadence.core.actor import UNBOUNDED, Actor, EngineDeadError, Mailbox
+from cadence.core.detokenizer_actor import DetokenizerActor
 from cadence.messages import (
     AbortRequests,
     CompletionOutput,
@@ -114,6 +117,8 @@ class RequestHandle:
             seq.finish_reason = delta.finish_reason
             seq.stop_reason = delta.stop_reason
             self._output.num_cached_tokens = max(self._output.num_cached_tokens, delta.num_cached_tokens)
+            if delta.queue_time_s is not None:
+                self._output.queue_time_s = delta.queue_time_s
             changed.append(msgspec.structs.replace(
                 seq, text=delta.new_text, token_ids=delta.new_token_ids, logprobs=delta.new_logprobs))
         self._output.finished = all(s.finish_reason is not None for s in self._output.outputs)
@@ -145,10 +150,10 @@ class RequestManager(Actor[DetokenizedOutputs]):
         self._num_children: dict[str, int] = {}
         self._finished_children: dict[str, set[str]] = {}
         self._dead: str | None = None
-        self.engine_core: Actor
-        self.detokenizer: Actor
+        self.engine_core: Mailbox[Any]
+        self.detokenizer: DetokenizerActor
 
-    def connect(self, engine_core: Actor, detokenizer: Actor) -> None:
+    def connect(self, engine_core: Mailbox[Any], detokenizer: DetokenizerActor) -> None:
         self.engine_core = engine_core
         self.detokenizer = detokenizer
 
@@ -205,7 +210,7 @@ class RequestManager(Actor[DetokenizedOutputs]):
             stream = self._streams.get(parent)
             if stream is None:
                 continue
-            stream.send_nowait(batch)
+            _deliver(stream, batch)
             if self._is_done(parent, batch):
                 stream.close()
                 del self._streams[parent]
@@ -223,8 +228,14 @@ class RequestManager(Actor[DetokenizedOutputs]):
         """The engine died: end every pending request's stream with ``error``."""
         self._dead = error
         for request_id, stream in self._streams.items():
-            stream.send_nowait([SequenceDelta(request_id, "", [], error=error)])
+            _deliver(stream, [SequenceDelta(request_id, "", [], error=error)])
             stream.close()
         self._streams.clear()
         self._num_children.clear()
         self._finished_children.clear()
+
+
+def _deliver(stream: MemoryObjectSendStream[list[SequenceDelta]], batch: list[SequenceDelta]) -> None:
+    """Hand a batch to the request's reader, unless it stopped reading (its abort is on the way)."""
+    with contextlib.suppress(anyio.BrokenResourceError):
+        stream.send_nowait(batch)

@@ -25,11 +25,12 @@ class Worker:
         device = config.device.torch_device
         if config.device.num_threads is not None:
             torch.set_num_threads(config.device.num_threads)
-        backend_cls = load_backend(config.device.attention_backend, device)
         dtype = config.model.torch_dtype
+        head_dim = head_dim_of(hf_config)
+        backend_cls = load_backend(config.device.attention_backend, device, dtype, head_dim,
+                                   config.cache.block_size)
         model = load_model(config.model.path, hf_config, dtype, device, backend_cls)
         num_kv_heads = hf_config.num_key_value_heads
-        head_dim = head_dim_of(hf_config)
         self.num_blocks = num_kv_blocks(config.cache, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype)
         shape = (self.num_blocks, config.cache.block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padded reads of unwritten slots are masked, and 0 * NaN would not be.

@@ -1,0 +1,143 @@
+"""The engine core in its own process: scheduler, KV allocator and executor behind two ZMQ sockets.
+
+The server starts it with multiprocessing's ``spawn`` (a clean interpreter: no inherited threads,
+and torch gets every core while the server process keeps one), waits for :class:`EngineCoreReady`,
+and watches the process: if it exits, every in-flight request fails at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+import zmq
+import zmq.asyncio
+
+from cadence.config import EngineConfig
+from cadence.core.actor import run_actors
+from cadence.messages import (
+    AbortRequests,
+    EngineCoreEvent,
+    EngineCoreInput,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineDead,
+)
+from cadence.transport.forwarder import Forwarder
+from cadence.transport.zmq_channel import ZmqReceiveChannel, ZmqSendChannel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    """The two sockets the engine core binds: requests in, outputs out."""
+
+    input: str
+    output: str
+
+    @classmethod
+    def fresh(cls) -> EngineAddresses:
+        stem = os.path.join(tempfile.gettempdir(), f"cadence-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        return cls(input=f"ipc://{stem}-in", output=f"ipc://{stem}-out")
+
+
+def engine_core_main(config: EngineConfig, addresses: EngineAddresses, log_level: str) -> None:
+    """The process's entry point; exits non-zero if the engine failed."""
+    logging.basicConfig(level=log_level, format="%(levelname)s engine-core %(name)s: %(message)s")
+    torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+    ok = anyio.run(_serve, config, addresses)
+    sys.exit(0 if ok else 1)
+
+
+async def _serve(config: EngineConfig, addresses: EngineAddresses) -> bool:
+    from cadence.core.engine import EngineCore  # heavy: imports the model code
+
+    context = zmq.asyncio.Context()
+    outputs: ZmqSendChannel[Any] = ZmqSendChannel(context, addresses.output, EngineCoreEvent, bind=True)
+    inputs: ZmqReceiveChannel[Any] = ZmqReceiveChannel(context, addresses.input, EngineCoreInput, bind=True)
+    try:
+        core = EngineCore.build(config)
+    except Exception as exc:
+        logger.exception("engine core failed to start")
+        await outputs.send(EngineDead(f"engine core failed to start: {type(exc).__name__}: {exc}"))
+        return False
+    core_actor, executor = core.actors(outputs)
+    forwarder = Forwarder(inputs, {EngineCoreRequest: core_actor, AbortRequests: core_actor}, "engine-input")
+    crashed: list[str] = []
+
+    async def on_crash(error: str) -> None:
+        crashed.append(error)
+        await outputs.send(EngineDead(error))
+
+    await outputs.send(EngineCoreReady(num_blocks=core.worker.num_blocks, block_size=config.cache.block_size))
+    logger.info("engine core ready: %d KV blocks", core.worker.num_blocks)
+    await run_actors([core_actor, executor, forwarder], on_crash)
+    return not crashed
+
+
+class EngineCoreProcess:
+    """The server's handle on the engine-core process and its two channels."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "WARNING") -> None:
+        self.addresses = EngineAddresses.fresh()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=engine_core_main, args=(config, self.addresses, log_level), name="cadence-engine-core",
+            daemon=True)
+        self._context = zmq.asyncio.Context()
+        self.inputs: ZmqSendChannel[Any] = ZmqSendChannel(self._context, self.addresses.input, EngineCoreInput,
+                                                          bind=False)
+        self.outputs: ZmqReceiveChannel[Any] = ZmqReceiveChannel(
+            self._context, self.addresses.output, EngineCoreEvent, bind=False)
+
+    def start(self) -> None:
+        self.process.start()
+
+    async def wait_ready(self, timeout_s: float) -> EngineCoreReady:
+        """:raises RuntimeError: if the engine core failed, exited or timed out while starting."""
+        with anyio.move_on_after(timeout_s) as scope:
+            async with anyio.create_task_group() as group:
+                result: list[EngineCoreReady | EngineDead | str] = []
+
+                async def first_message() -> None:
+                    result.append(await self.outputs.receive())
+                    group.cancel_scope.cancel()
+
+                async def death() -> None:
+                    code = await self.wait_exit()
+                    result.append(f"engine core exited with code {code} while starting")
+                    group.cancel_scope.cancel()
+
+                group.start_soon(first_message)
+                group.start_soon(death)
+        if scope.cancelled_caught or not result:
+            raise RuntimeError(f"engine core did not become ready within {timeout_s:.0f} s")
+        first = result[0]
+        if isinstance(first, EngineCoreReady):
+            return first
+        raise RuntimeError(first.error if isinstance(first, EngineDead) else first)
+
+    async def wait_exit(self) -> int | None:
+        """Block (without CPU) until the process exits; its exit code."""
+        await anyio.to_thread.run_sync(self.process.join, abandon_on_cancel=True)
+        return self.process.exitcode
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self.inputs.close()
+        self.outputs.close()
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self._context.term()
