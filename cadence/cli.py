@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(run=_generate)
+    from cadence.bench.cli import register as register_bench
+
+    register_bench(verbs)
     return parser
 
 

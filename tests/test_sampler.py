@@ -227,6 +227,17 @@ def test_seeded_row_ignores_batch_composition_and_position(params: SamplingParam
         assert Sampler()(batch, rows).token_ids[pos] == alone[step]
 
 
+def test_reused_sampler_matches_fresh_ones_across_batch_sizes() -> None:
+    # The sampler keeps its plan and buffers between calls; shrinking and growing must not leak.
+    gen = torch.Generator().manual_seed(7)
+    params = [SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=s, presence_penalty=0.5) for s in range(6)]
+    reused = Sampler()
+    for size in (6, 2, 6, 3):
+        logits = torch.randn(size, V, generator=gen)
+        rows = [row(p, output=[1, 2]) for p in params[:size]]
+        assert reused(logits, rows).token_ids == Sampler()(logits, rows).token_ids
+
+
 def test_unseeded_rows_follow_the_global_seed(logits: torch.Tensor) -> None:
     rows = [row(SamplingParams(temperature=3.0))] * len(logits)
     torch.manual_seed(12)

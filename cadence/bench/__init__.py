@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput, serving load generation, and their shared metrics."""

@@ -1,0 +1,16 @@
+"""The ``cadence bench`` verb and its sub-verbs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from cadence.bench import throughput
+
+
+def register(verbs: argparse._SubParsersAction[Any]) -> None:
+    bench = verbs.add_parser("bench", help="benchmarks that report the way vLLM's do")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    offline = kinds.add_parser("throughput", help="offline throughput (like vllm bench throughput)")
+    throughput.add_arguments(offline)
+    offline.set_defaults(run=throughput.run)

@@ -1,0 +1,66 @@
+"""Benchmark workloads: synthetic random prompts, or prompts read from a JSONL / ShareGPT file."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+# SmolLM2 and most byte-level BPE vocabularies keep their special tokens among the first ids.
+_FIRST_ORDINARY_ID = 100
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+
+def random_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                    seed: int) -> list[BenchRequest]:
+    """Token-id prompts with lengths drawn uniformly from ``len * [1 - range_ratio, 1 + range_ratio]``."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        return max(1, rng.randint(round(mean * (1 - range_ratio)), round(mean * (1 + range_ratio))))
+
+    requests = []
+    for _ in range(num):
+        n_in = length(input_len)
+        prompt = [rng.randrange(_FIRST_ORDINARY_ID, vocab_size) for _ in range(n_in)]
+        requests.append(BenchRequest(prompt, n_in, length(output_len)))
+    return requests
+
+
+def file_requests(path: str | Path, tokenizer: PreTrainedTokenizerBase, num: int, default_output_len: int,
+                  seed: int) -> list[BenchRequest]:
+    """Prompts from a ShareGPT JSON file (first human turn; the reply's length sets the output length)
+    or a JSONL file of ``{"prompt": ..., "output_len": ...}`` rows; ``num`` of them, sampled with ``seed``."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        pairs = [(row["prompt"], row.get("output_len")) for row in rows]
+    else:
+        pairs = [_sharegpt_pair(item, tokenizer) for item in json.loads(text)]
+        pairs = [p for p in pairs if p is not None]
+    if not pairs:
+        raise ValueError(f"{path} holds no usable prompts")
+    rng = random.Random(seed)
+    chosen = [pairs[rng.randrange(len(pairs))] for _ in range(num)] if num > len(pairs) else rng.sample(pairs, num)
+    return [BenchRequest(prompt, len(tokenizer(prompt).input_ids), out or default_output_len)
+            for prompt, out in chosen]
+
+
+def _sharegpt_pair(item: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[str, int] | None:
+    turns = item.get("conversations") or item.get("conversation") or []
+    if len(turns) < 2:
+        return None
+    reply_len = len(tokenizer(turns[1]["value"]).input_ids)
+    return turns[0]["value"], max(reply_len, 1)
