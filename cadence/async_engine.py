@@ -18,7 +18,7 @@ import anyio
 from transformers import PreTrainedTokenizerBase
 
 from cadence.config import EngineConfig
-from cadence.core.actor import Actor, EngineDeadError, run_actors
+from cadence.core.actor import Actor, EngineDeadError, Mailbox, run_actors
 from cadence.core.detokenizer_actor import DetokenizerActor
 from cadence.core.engine import Engine, model_limits
 from cadence.core.engine_core_process import EngineAddresses, EngineCoreProcess
@@ -94,7 +94,7 @@ class AsyncEngine:
         front = cls(config, tokenizer, limits, manager, max_waiting_requests)
         front._process_addresses = process.addresses
         front._process_pid = process.process.pid
-        routes = {EngineCoreOutputs: detokenizer, EngineDead: _DeathNotice(front, on_dead)}
+        routes: dict[type, Mailbox[Any]] = {EngineCoreOutputs: detokenizer, EngineDead: _DeathNotice(front, on_dead)}
         forwarder = Forwarder(process.outputs, routes, "engine-output")
         error: BaseException | None = None
         async with anyio.create_task_group() as group:

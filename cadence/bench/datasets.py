@@ -48,8 +48,8 @@ def file_requests(path: str | Path, tokenizer: PreTrainedTokenizerBase, num: int
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         pairs = [(row["prompt"], row.get("output_len")) for row in rows]
     else:
-        pairs = [_sharegpt_pair(item, tokenizer) for item in json.loads(text)]
-        pairs = [p for p in pairs if p is not None]
+        found = [_sharegpt_pair(item, tokenizer) for item in json.loads(text)]
+        pairs = [p for p in found if p is not None]
     if not pairs:
         raise ValueError(f"{path} holds no usable prompts")
     rng = random.Random(seed)
