@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cadence.bench import throughput
+from cadence.bench import serve, throughput
 
 
 def register(verbs: argparse._SubParsersAction[Any]) -> None:
@@ -14,3 +14,6 @@ def register(verbs: argparse._SubParsersAction[Any]) -> None:
     offline = kinds.add_parser("throughput", help="offline throughput (like vllm bench throughput)")
     throughput.add_arguments(offline)
     offline.set_defaults(run=throughput.run)
+    online = kinds.add_parser("serve", help="load an OpenAI-compatible server (like vllm bench serve)")
+    serve.add_arguments(online)
+    online.set_defaults(run=serve.run)

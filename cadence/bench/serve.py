@@ -1,0 +1,222 @@
+"""``cadence bench serve``: a load generator for any OpenAI-compatible server, like ``vllm bench serve``.
+
+Requests stream from ``/v1/completions`` or ``/v1/chat/completions`` with Poisson (or Gamma, with
+``--burstiness``) arrivals at ``--request-rate``, at most ``--max-concurrency`` in flight. Each
+streamed chunk that carries text is timed; the figures (TTFT, TPOT, ITL, E2E latency, throughput,
+goodput) are computed by :mod:`cadence.bench.metrics` with vLLM's definitions, so they compare
+number for number with vLLM's own benchmark against cadence, vLLM or llama.cpp's server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from cadence.bench.datasets import BenchRequest, file_requests, random_requests
+from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
+
+_COMPLETIONS = "/v1/completions"
+_CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class ServeTarget:
+    base_url: str
+    endpoint: str
+    model: str
+    api_key: str | None
+    ignore_eos: bool
+
+
+def arrival_delays(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Gaps between sends: Gamma(shape=burstiness, mean=1/rate); burstiness 1 is Poisson; inf rate is 0."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError("request rate and burstiness must be positive")
+    rng = random.Random(seed)
+    scale = 1.0 / (request_rate * burstiness)
+    return [rng.gammavariate(burstiness, scale) for _ in range(num)]
+
+
+async def _stream_one(session: aiohttp.ClientSession, target: ServeTarget, request: BenchRequest,
+                      prompt_text: str) -> RequestRecord:
+    body: dict[str, Any] = {"model": target.model, "max_tokens": request.output_len, "stream": True,
+                            "stream_options": {"include_usage": True}, "temperature": 0.0}
+    if target.ignore_eos:
+        body["ignore_eos"] = True
+    if target.endpoint == _CHAT:
+        body["messages"] = [{"role": "user", "content": prompt_text}]
+    else:
+        body["prompt"] = prompt_text
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    sent = time.perf_counter()
+    chunks: list[float] = []
+    output_tokens = 0
+    prompt_tokens = request.prompt_len
+    try:
+        async with session.post(target.base_url + target.endpoint, json=body, headers=headers) as response:
+            if response.status != 200:
+                return RequestRecord(sent, [], prompt_tokens, 0, success=False)
+            async for event in _sse_events(response):
+                text = _delta_text(event)
+                if text:
+                    chunks.append(time.perf_counter())
+                usage = event.get("usage")
+                if usage:
+                    output_tokens = usage.get("completion_tokens", output_tokens)
+                    prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return RequestRecord(sent, chunks, prompt_tokens, 0, success=False)
+    # Servers that send no usage: count one token per text chunk, as they stream per token.
+    return RequestRecord(sent, chunks, prompt_tokens, output_tokens or len(chunks), success=bool(chunks))
+
+
+async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _delta_text(event: dict[str, Any]) -> str:
+    text = ""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        text += (delta.get("content") or "") if delta is not None else (choice.get("text") or "")
+    return text
+
+
+async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompts: Sequence[str], *,
+                   request_rate: float, burstiness: float, max_concurrency: int | None, seed: int,
+                   show_progress: bool) -> tuple[list[RequestRecord], float, float]:
+    """Send every request on its schedule; returns the records and the run's start and end times."""
+    delays = arrival_delays(len(requests), request_rate, burstiness, seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    progress = tqdm(total=len(requests), desc="Requests", unit="req", disable=not show_progress)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    records: list[RequestRecord] = []
+
+    async def one(request: BenchRequest, prompt: str) -> None:
+        if limit is None:
+            records.append(await _stream_one(session, target, request, prompt))
+        else:
+            async with limit:
+                records.append(await _stream_one(session, target, request, prompt))
+        progress.update(1)
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter()
+        tasks = []
+        for request, prompt, delay in zip(requests, prompts, delays, strict=True):
+            await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(request, prompt)))
+        await asyncio.gather(*tasks)
+        end = time.perf_counter()
+    progress.close()
+    return records, start, end
+
+
+async def served_model(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession() as session, session.get(base_url + "/v1/models", headers=headers) as r:
+        r.raise_for_status()
+        return str((await r.json())["data"][0]["id"])
+
+
+def format_report(metrics: BenchmarkMetrics, title: str = "Serving Benchmark Result") -> str:
+    d = metrics.to_dict()
+    lines = [f"{title:=^60}",
+             f"{'Successful requests:':<40}{d['completed']:<10}",
+             f"{'Failed requests:':<40}{d['failed']:<10}",
+             f"{'Benchmark duration (s):':<40}{d['duration']:<10.2f}",
+             f"{'Total input tokens:':<40}{d['total_input_tokens']:<10}",
+             f"{'Total generated tokens:':<40}{d['total_output_tokens']:<10}",
+             f"{'Request throughput (req/s):':<40}{d['request_throughput']:<10.2f}",
+             f"{'Output token throughput (tok/s):':<40}{d['output_throughput']:<10.2f}",
+             f"{'Total token throughput (tok/s):':<40}{d['total_token_throughput']:<10.2f}"]
+    if d["request_goodput"] is not None:
+        lines.append(f"{'Request goodput (req/s):':<40}{d['request_goodput']:<10.2f}")
+    for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append(f"{label:-^60}")
+        for key, value in d.items():
+            if key.endswith(f"_{name}_ms"):
+                stat = key.removesuffix(f"_{name}_ms")
+                lines.append(f"{f'{stat.capitalize()} {name.upper()} (ms):':<40}{value:<10.2f}")
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's address")
+    parser.add_argument("--endpoint", default=_COMPLETIONS, choices=[_COMPLETIONS, _CHAT])
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="model folder or .gguf whose tokenizer builds the prompts (default: SmolLM2)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128, help="random dataset: mean prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT .json or .jsonl of {prompt, output_len}")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrivals; 1 is Poisson")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                        help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+    parser.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles to report")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="send ignore_eos so every request runs to max_tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None, help="write the figures to this file")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str]]:
+    from cadence.models.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(ns.tokenizer))
+    if ns.dataset_path:
+        requests = file_requests(ns.dataset_path, tokenizer, ns.num_prompts, ns.output_len, ns.seed)
+    else:
+        requests = random_requests(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
+                                   tokenizer.vocab_size, ns.seed)
+    texts = [r.prompt if isinstance(r.prompt, str) else tokenizer.decode(r.prompt) for r in requests]
+    return requests, texts
+
+
+def run(ns: argparse.Namespace) -> int:
+    slos = parse_goodput(ns.goodput)
+    percentiles = [float(p) for p in ns.metric_percentiles.split(",") if p.strip()]
+    requests, prompts = build_prompts(ns)
+    base_url = ns.base_url.rstrip("/")
+    model = ns.model or asyncio.run(served_model(base_url, ns.api_key))
+    target = ServeTarget(base_url, ns.endpoint, model, ns.api_key, ns.ignore_eos)
+    records, start, end = asyncio.run(run_load(
+        target, requests, prompts, request_rate=ns.request_rate, burstiness=ns.burstiness,
+        max_concurrency=ns.max_concurrency, seed=ns.seed, show_progress=not ns.disable_tqdm))
+    metrics = compute_metrics(records, start_time=start, end_time=end, goodput_slos_ms=slos,
+                              percentiles=percentiles)
+    print(format_report(metrics))
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump({"base_url": base_url, "endpoint": ns.endpoint, "model": model,
+                       "num_prompts": ns.num_prompts, "request_rate": ns.request_rate,
+                       "max_concurrency": ns.max_concurrency, **metrics.to_dict()}, f, indent=2)
+    return 0 if metrics.completed else 1

@@ -1,0 +1,85 @@
+"""The serving load generator against a scripted OpenAI-style SSE server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import statistics
+from collections.abc import Iterator
+
+import aiohttp.web
+import pytest
+
+from cadence.bench.datasets import BenchRequest
+from cadence.bench.metrics import compute_metrics
+from cadence.bench.serve import ServeTarget, arrival_delays, run_load
+
+TOKENS_PER_REPLY = 5
+GAP_S = 0.02
+
+
+async def _completions(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+    body = await request.json()
+    if body["prompt"] == "fail":
+        return aiohttp.web.json_response({"error": {"message": "no", "type": "x", "param": None, "code": None}},
+                                         status=400)
+    response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for i in range(TOKENS_PER_REPLY):
+        await asyncio.sleep(GAP_S)
+        chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": TOKENS_PER_REPLY, "total_tokens": 12}}
+    await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+    return response
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    app = aiohttp.web.Application()
+    app.router.add_post("/v1/completions", _completions)
+    loop = asyncio.new_event_loop()
+    runner = aiohttp.web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(aiohttp.web.TCPSite(runner, "127.0.0.1", port).start())
+    import threading
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+
+
+def test_records_every_streamed_chunk_and_counts_failures(server: str) -> None:
+    target = ServeTarget(server, "/v1/completions", "m", None, ignore_eos=True)
+    requests = [BenchRequest([1, 2], 2, 5)] * 6
+    prompts = ["hello"] * 5 + ["fail"]
+    records, start, end = asyncio.run(run_load(target, requests, prompts, request_rate=math.inf, burstiness=1.0,
+                                               max_concurrency=3, seed=0, show_progress=False))
+    metrics = compute_metrics(records, start_time=start, end_time=end, percentiles=[50])
+    assert (metrics.completed, metrics.failed) == (5, 1)
+    assert metrics.total_output_tokens == 5 * TOKENS_PER_REPLY
+    assert metrics.total_input_tokens == 5 * 7  # from the server's usage
+    ok = [r for r in records if r.completed]
+    assert all(len(r.chunk_times) == TOKENS_PER_REPLY for r in ok)
+    # Each gap is at least the server's sleep; TTFT includes one gap too.
+    assert min(gap for r in ok for gap in r.itls) >= GAP_S * 0.9
+    assert metrics.ttft.median >= GAP_S * 1000 * 0.9
+
+
+def test_poisson_and_gamma_arrivals_have_the_asked_rate() -> None:
+    for burstiness in (1.0, 0.25, 4.0):
+        delays = arrival_delays(20000, request_rate=8.0, burstiness=burstiness, seed=1)
+        assert statistics.fmean(delays) == pytest.approx(1 / 8.0, rel=0.05)
+        # Gamma(k, theta): variance k * theta^2 = mean^2 / k, so the CV is 1 / sqrt(k).
+        cv = statistics.pstdev(delays) / statistics.fmean(delays)
+        assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
+    assert arrival_delays(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
