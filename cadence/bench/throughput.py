@@ -42,8 +42,9 @@ class ThroughputResult:
                 "output_tokens_per_s": self.output_tokens_per_s, "total_tokens_per_s": self.total_tokens_per_s}
 
     def summary(self) -> str:
-        return (f"{self.backend}: {self.requests_per_s:.2f} requests/s, {self.total_tokens_per_s:.1f} total tokens/s, "
-                f"{self.output_tokens_per_s:.1f} output tokens/s ({self.num_requests} requests in {self.elapsed_s:.1f} s)")
+        return (f"{self.backend}: {self.requests_per_s:.2f} requests/s, "
+                f"{self.total_tokens_per_s:.1f} total tokens/s, {self.output_tokens_per_s:.1f} output tokens/s "
+                f"({self.num_requests} requests in {self.elapsed_s:.1f} s)")
 
 
 def run_cadence(ns: argparse.Namespace, requests: list[BenchRequest]) -> ThroughputResult:
