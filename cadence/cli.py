@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cadence.bench.cli import register as register_bench
 
     register_bench(verbs)
+    from cadence.api.server import register as register_serve
+
+    register_serve(verbs)
     return parser
 
 
@@ -101,5 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(ns.run(ns))
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
+        # Bad options and start-up failures (a backend that cannot run here) end with the message
+        # alone; anything else is a bug and keeps its traceback.
         parser.exit(2, f"cadence: error: {exc}\n")

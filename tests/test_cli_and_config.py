@@ -41,7 +41,7 @@ def test_cli_reports_bad_values_without_a_traceback(make_tiny_model: Callable[..
     assert "temperature must be >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--model", folder, "--prompt", "x", "--policy", "nope"])
-    assert "installed policies: fcfs" in capsys.readouterr().err
+    assert "installed policies: chunked-prefill, fair, fcfs, priority, sjf" in capsys.readouterr().err
 
 
 def test_engine_args_build_the_config_tree(make_tiny_model: Callable[..., Path]) -> None:

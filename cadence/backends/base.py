@@ -55,6 +55,11 @@ class AttentionBackend(abc.ABC):
     def check_device(cls, device: torch.device) -> None:
         """Raise ``RuntimeError`` saying why this backend cannot run on ``device``."""
 
+    @classmethod
+    def check_model(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+        """Raise ``ValueError`` saying why this backend cannot serve this model dtype, head size or
+        KV block size; the worker calls it at start-up, before loading weights."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -1,0 +1,114 @@
+"""Random paged batches for checking an attention backend against the ``sdpa`` reference.
+
+Shared by the CPU tests and ``benchmarks/gpu_check.py``: a mixed batch of requests, each with a
+context already in the cache (a prefix hit or earlier steps) and new tokens this step, over
+scattered cache blocks, exactly as the model runner lays it out.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cadence.backends.base import AttentionBackend, BatchLayout
+from cadence.backends.sdpa_backend import SDPABackend
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One step's inputs: new tokens' q/k/v, caches holding the cached contexts, and the layout."""
+
+    q: torch.Tensor  # [T, num_heads, head_dim]
+    k: torch.Tensor  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    layout: BatchLayout
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    def to(self, dtype: torch.dtype) -> PagedBatch:
+        """The same batch with q/k/v and the caches converted (the layout is shared)."""
+        return PagedBatch(self.q.to(dtype), self.k.to(dtype), self.v.to(dtype), self.k_cache.to(dtype),
+                          self.v_cache.to(dtype), self.layout)
+
+
+def random_paged_batch(
+    requests: Sequence[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> PagedBatch:
+    """A batch of ``requests`` given as ``(cached tokens, new tokens)`` pairs, in that order.
+
+    Blocks are drawn at random from a pool with ``spare_blocks`` never used (so stray reads or
+    writes would show); block 0 is the null block that pads the block table.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(cached + new) // block_size) for cached, new in requests]
+    num_blocks = 1 + sum(needed) + spare_blocks
+    pool = list(range(1, num_blocks))
+    random.Random(seed).shuffle(pool)
+    tables = [[pool.pop() for _ in range(n)] for n in needed]
+    width = max(needed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)  # garbage where nothing was written
+    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    starts, slots = [0], []
+    for table, (cached, new) in zip(tables, requests, strict=True):
+        context = [table[p // block_size] * block_size + p % block_size for p in range(cached + new)]
+        index = torch.tensor(context[:cached], dtype=torch.int64)
+        flat_k[index] = randn(cached, num_kv_heads, head_dim)
+        flat_v[index] = randn(cached, num_kv_heads, head_dim)
+        slots += context[cached:]
+        starts.append(starts[-1] + new)
+    num_tokens = starts[-1]
+    layout = BatchLayout(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for c, n in requests], dtype=torch.int32),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(n for _, n in requests),
+        max_seq_len=max(c + n for c, n in requests),
+    )
+    q = randn(num_tokens, num_heads, head_dim)
+    k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
+    q, k, v, k_cache, v_cache = (t.to(device) for t in (q, k, v, k_cache, v_cache))
+    return PagedBatch(q, k, v, k_cache, v_cache, layout)
+
+
+def run_backend(backend: AttentionBackend, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(output, k_cache, v_cache)`` after one forward of ``backend`` on copies of the caches."""
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    metadata = backend.build_metadata(batch.layout, batch.q.device)
+    out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, metadata)
+    return out, k_cache, v_cache
+
+
+def sdpa_reference(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``sdpa`` backend's result, computed in fp32 and rounded once to the batch's dtype."""
+    wide = batch.to(torch.float32)
+    backend = SDPABackend(batch.num_heads, batch.num_kv_heads, batch.head_dim, batch.head_dim ** -0.5)
+    return tuple(t.to(batch.q.dtype) for t in run_backend(backend, wide))  # type: ignore[return-value]
