@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from tqdm import tqdm
@@ -15,6 +15,7 @@ from cadence.messages import RequestOutput
 from cadence.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
+_T = TypeVar("_T")
 
 # Fewer prompts than this finish too quickly for a progress bar to help.
 _PROGRESS_MIN_PROMPTS = 8
@@ -42,15 +43,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        users: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs keep the prompts' order.
+
+        ``priority`` (lower runs first under ``policy="priority"``) and ``users`` (the tenant under
+        ``policy="fair"``) give one value per prompt.
 
         :raises ValueError: for a bad prompt or parameters, before anything is submitted.
         :raises EngineDeadError: if the engine failed while generating.
         """
         batch = _as_batch(prompts)
         params = _params_per_prompt(sampling_params, len(batch))
-        return anyio.run(self._generate, batch, params, use_tqdm)
+        priorities = _one_per_prompt("priority", priority, len(batch), 0)
+        tenants = _one_per_prompt("users", users, len(batch), None)
+        return anyio.run(self._generate, batch, params, priorities, tenants, use_tqdm)
 
     def chat(
         self,
@@ -71,8 +79,8 @@ class LLM:
                                                  tokenize=True, return_dict=True)["input_ids"]
         return list(ids)
 
-    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
-                        use_tqdm: bool) -> list[RequestOutput]:
+    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int],
+                        users: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         # Tokenize and validate everything first so that a bad prompt admits nothing.
         token_ids = [tokenize_prompt(engine.tokenizer, prompt) for prompt in prompts]
@@ -83,9 +91,9 @@ class LLM:
         results: list[RequestOutput] = []
         async with engine.running() as manager:
             handles = []
-            for prompt, ids, p in zip(prompts, token_ids, params, strict=True):
+            for prompt, ids, p, priority, user in zip(prompts, token_ids, params, priorities, users, strict=True):
                 self._counter += 1
-                handles.append(await manager.add_request(str(self._counter), ids, p,
+                handles.append(await manager.add_request(str(self._counter), ids, p, priority=priority, user=user,
                                                          prompt_text=prompt if isinstance(prompt, str) else None))
             for handle in handles:
                 results.append(await handle.result())
@@ -100,6 +108,14 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _one_per_prompt(name: str, values: Sequence[_T] | None, n: int, default: _T) -> list[_T]:
+    if values is None:
+        return [default] * n
+    if isinstance(values, str) or len(values) != n:
+        raise ValueError(f"{name} takes one value per prompt: a sequence of {n}")
+    return list(values)
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -1,15 +1,20 @@
 """The scheduler: continuous batching under a token budget and a seat limit.
 
 There are no prefill or decode phases: each step gives each chosen request some tokens towards
-``num_tokens - num_computed_tokens``. Running requests are served first, then waiting ones in the
-policy's order; a step that had to preempt admits nobody new. Preemption is by recompute.
-The scheduler owns the KV allocator and calls it synchronously (see DESIGN.md, "Processes and actors").
+``num_tokens - num_computed_tokens``, bounded by ``max_num_batched_tokens`` and ``max_num_seqs``.
+Running requests are served first (in the policy's running order), then waiting ones are admitted
+in the policy's order until one cannot be (head of line). Preemption is by recompute, and happens
+(a) when a running request needs blocks (the policy's ``pick_victim``) and (b) when the policy says
+a waiting request outranks a running one and seats or blocks ran out (``preempt_for``). A step that
+preempted for a running request admits only requests of the second kind. The scheduler owns the
+KV allocator and calls it synchronously (see DESIGN.md, "Processes and actors").
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from cadence.config import SchedulerConfig
 from cadence.core.kv_allocator import KVAllocator
@@ -21,7 +26,27 @@ from cadence.messages import (
     SchedulerOutput,
 )
 from cadence.policies.base import SchedulingPolicy
-from cadence.request import Request, RequestStatus
+from cadence.request import Request, RequestStatus, RequestView
+
+
+@dataclass
+class _StepPlan:
+    """What the step being built has decided so far."""
+
+    budget: int
+    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
+    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+    preempted_for_running: bool = False
+
+    def take(self, request: Request, num: int, blocks: list[int]) -> None:
+        self.scheduled[request.request_id] = num
+        self.new_blocks[request.request_id] = blocks
+        self.budget -= num
+
+    def drop(self, request: Request) -> None:
+        self.budget += self.scheduled.pop(request.request_id, 0)
+        self.new_blocks.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -84,103 +109,138 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        preempted: list[Request] = []
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        self._serve_running(step)
+        self._admit_waiting(step)
+        return self._build_output(step)
 
-        for request in list(self.running):
-            if request.status != RequestStatus.RUNNING or budget == 0:
-                continue
-            num = self.policy.num_tokens(request, budget)
+    def _serve_running(self, step: _StepPlan) -> None:
+        for view in self.policy.order_running(self.running):
+            if step.budget == 0:
+                break
+            request = self.requests[view.request_id]
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            num = self.policy.num_tokens(request, step.budget)
             if num == 0:
                 continue
-            blocks = self._allocate_or_preempt(request, num, scheduled, preempted)
-            if blocks is None:
-                continue
-            budget = self._take(request, num, blocks, budget, scheduled, new_blocks)
+            blocks = self._allocate_or_preempt(request, num, step)
+            if blocks is not None:
+                step.take(request, num, blocks)
 
-        # Reclaim what preempted requests had been given earlier in this step.
-        for request in preempted:
-            budget += scheduled.pop(request.request_id, 0)
-            new_blocks.pop(request.request_id, None)
-
-        if not preempted:
-            budget = self._admit_waiting(budget, scheduled, new_blocks)
-        return self._build_output(scheduled, new_blocks, preempted)
-
-    def _allocate_or_preempt(
-        self, request: Request, num: int, scheduled: dict[str, int], preempted: list[Request]
-    ) -> list[int] | None:
+    def _allocate_or_preempt(self, request: Request, num: int, step: _StepPlan) -> list[int] | None:
         """Blocks for ``num`` more tokens of a running request, preempting others until they fit."""
         while True:
             blocks = self.allocator.allocate(request, num)
             if blocks is not None:
                 return blocks
-            victim = self.requests[self.policy.pick_victim(self.running, request).request_id]
-            self._preempt(victim)
-            preempted.append(victim)
+            victim = self._running_request(self.policy.pick_victim(self.running, request), "pick_victim")
+            self._preempt(victim, step)
+            step.preempted_for_running = True
             if victim is request:
                 return None
 
-    def _preempt(self, request: Request) -> None:
+    def _admit_waiting(self, step: _StepPlan) -> None:
+        """Admit in the policy's order until one request cannot be admitted (head of line).
+
+        After a preemption for a running request, memory is short: only requests the policy would
+        preempt for (:meth:`SchedulingPolicy.preempt_for`) are admitted; with the built-in policies
+        other than ``priority`` that is nobody. A request preempted in this step is not readmitted
+        in it, and blocks those behind it like any request that cannot be admitted; the policy
+        re-orders the queue after each preemption made for a waiting request, so its victims take
+        their place in that order.
+        """
+        preempted_now = {r.request_id for r in step.preempted}
+        admitted: list[Request] = []
+        order = self.policy.order_waiting(self.waiting)
+        position = 0
+        while position < len(order):
+            request = self.requests.get(order[position].request_id)
+            position += 1
+            if request is None or request.status == RequestStatus.RUNNING:
+                continue  # not waiting: a policy's mistake, not a reason to stop
+            if step.budget == 0 or request.request_id in preempted_now:
+                break
+            if step.preempted_for_running and self.policy.preempt_for(request, self.running) is None:
+                break
+            num_preempted = len(step.preempted)
+            if not self._admit(request, len(admitted), step):
+                break
+            self.waiting.remove(request)
+            admitted.append(request)
+            if len(step.preempted) > num_preempted:
+                preempted_now.update(r.request_id for r in step.preempted[num_preempted:])
+                order, position = self.policy.order_waiting(self.waiting), 0
+        self.running.extend(admitted)
+
+    def _admit(self, request: Request, num_admitted: int, step: _StepPlan) -> bool:
+        """Give a waiting request tokens, a seat and blocks, preempting where the policy says so.
+
+        The budget is checked first: preemption makes room for seats and blocks, never for tokens.
+        """
+        while True:
+            # Look up again after every preemption: freeing a victim can drop hashes of blocks it
+            # was given in this step, and the lookup must go straight into allocate().
+            hit_blocks, hit_tokens = self.allocator.get_computed_blocks(request)
+            request.num_computed_tokens = hit_tokens  # the policy sizes what remains after the hit
+            num = self.policy.num_tokens(request, step.budget)
+            request.num_computed_tokens = 0  # the allocator counts the hit itself
+            if num == 0:
+                return False
+            if len(self.running) + num_admitted >= self.config.max_num_seqs:
+                if not self._preempt_for(request, step):
+                    return False
+                continue
+            blocks = self.allocator.allocate(request, num, hit_blocks, hit_tokens)
+            if blocks is not None:
+                break
+            if not self._preempt_for(request, step):
+                return False
+        request.num_computed_tokens = hit_tokens
+        request.num_cached_tokens = hit_tokens
+        request.status = RequestStatus.RUNNING
+        step.take(request, num, blocks)
+        return True
+
+    def _preempt_for(self, request: Request, step: _StepPlan) -> bool:
+        view = self.policy.preempt_for(request, self.running)
+        if view is None:
+            return False
+        self._preempt(self._running_request(view, "preempt_for"), step)
+        return True
+
+    def _running_request(self, view: RequestView, hook: str) -> Request:
+        request = self.requests.get(view.request_id)
+        if request is None or request not in self.running:
+            raise RuntimeError(f"policy {self.policy.name!r}: {hook} returned {view.request_id!r}, "
+                               "which is not running")
+        return request
+
+    def _preempt(self, request: Request, step: _StepPlan) -> None:
+        """Preempt by recompute; what the request was given earlier in this step goes back."""
+        step.drop(request)
+        step.preempted.append(request)
         self.running.remove(request)
-        self.allocator.free(request.request_id)
+        self.allocator.free(request.request_id)  # before the reset: free() keeps what was computed
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        # Front of the queue: in arrival order it came before everything waiting (policies that
+        # order otherwise re-rank it, so it keeps its place).
         self.waiting.appendleft(request)
+        self.policy.on_preempted(request)
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> int:
-        admitted: list[Request] = []
-        for view in self.policy.order_waiting(self.waiting):
-            if budget == 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
-                break
-            request = self.requests[view.request_id]
-            hit_blocks, hit_tokens = self.allocator.get_computed_blocks(request)
-            request.num_computed_tokens = hit_tokens  # the policy sizes what remains after the hit
-            num = self.policy.num_tokens(request, budget)
-            request.num_computed_tokens = 0  # the allocator counts the hit itself
-            blocks = self.allocator.allocate(request, num, hit_blocks, hit_tokens) if num else None
-            if blocks is None:
-                break
-            request.num_computed_tokens = hit_tokens
-            request.num_cached_tokens = hit_tokens
-            request.status = RequestStatus.RUNNING
-            admitted.append(request)
-            budget = self._take(request, num, blocks, budget, scheduled, new_blocks)
-        for request in admitted:
-            self.waiting.remove(request)
-            self.running.append(request)
-        return budget
-
-    def _take(
-        self,
-        request: Request,
-        num: int,
-        blocks: list[int],
-        budget: int,
-        scheduled: dict[str, int],
-        new_blocks: dict[str, list[int]],
-    ) -> int:
-        scheduled[request.request_id] = num
-        new_blocks[request.request_id] = blocks
-        self.policy.on_scheduled(request, num)
-        return budget - num
-
-    def _build_output(
-        self, scheduled: dict[str, int], new_blocks: dict[str, list[int]], preempted: list[Request]
-    ) -> SchedulerOutput:
+    def _build_output(self, step: _StepPlan) -> SchedulerOutput:
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
-        preempted_ids = [r.request_id for r in preempted if r.request_id in self._on_worker]
+        preempted_ids = [r.request_id for r in step.preempted if r.request_id in self._on_worker]
         self._on_worker.difference_update(preempted_ids)
-        for request_id, num in scheduled.items():
+        for request_id, num in step.scheduled.items():
             request = self.requests[request_id]
             if request_id in self._on_worker:
                 cached_requests.append(
-                    CachedRequestData(request_id, new_blocks[request_id], request.num_computed_tokens))
+                    CachedRequestData(request_id, step.new_blocks[request_id], request.num_computed_tokens))
             else:
                 new_requests.append(NewRequestData(
                     request_id=request_id,
@@ -192,13 +252,15 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                 ))
                 self._on_worker.add(request_id)
+            # Told once the step is final, so that nothing taken back by a preemption is counted.
+            self.policy.on_scheduled(request, num)
             request.num_computed_tokens += num
         self._step_id += 1
         output = SchedulerOutput(
             step_id=self._step_id,
             new_requests=new_requests,
             cached_requests=cached_requests,
-            num_scheduled_tokens=scheduled,
+            num_scheduled_tokens=dict(step.scheduled),
             finished_request_ids=self._finished_since_last_step,
             preempted_request_ids=preempted_ids,
         )

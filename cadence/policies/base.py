@@ -1,24 +1,41 @@
-"""The scheduling policy contract: the three decisions a policy makes, and nothing else.
+"""The scheduling policy contract: the decisions a policy makes, and nothing else.
 
 The scheduler owns the mechanics (token budget, seats, KV blocks, preemption by recompute); a
-policy only decides
+policy decides
 
-1. the order in which waiting requests are considered (:meth:`SchedulingPolicy.order_waiting`),
-2. how many of a request's remaining tokens it gets this step (:meth:`SchedulingPolicy.num_tokens`),
-3. which running request gives up its blocks when KV memory runs out (:meth:`SchedulingPolicy.pick_victim`).
+1. **order**: which waiting request is admitted next (:meth:`SchedulingPolicy.order_waiting`) and
+   which running request draws on the step's budget first (:meth:`SchedulingPolicy.order_running`);
+2. **size**: how many of a request's remaining tokens it gets this step, the whole prefill or a
+   chunk (:meth:`SchedulingPolicy.num_tokens`);
+3. **preemption**: which running request gives up its blocks when a running one needs more
+   (:meth:`SchedulingPolicy.pick_victim`), and whether a waiting request may push a running one out
+   when seats or blocks run out (:meth:`SchedulingPolicy.preempt_for`).
 
-It sees read-only request views, may keep its own state, and is told when requests arrive, are
-scheduled and finish. The same object drives the real engine and the simulator.
+It sees read-only request views (never the allocator), may keep its own state, and is told when
+requests arrive, are scheduled, are preempted and finish. The same object drives the real engine
+and the simulator. A third-party policy is a subclass registered in the ``cadence.policies``
+entry-point group (see ``docs/policies.md``).
+
+Chunking is a property of every policy, not a policy of its own: the ``chunked`` option (default
+``false``; ``true`` for ``chunked-prefill``) splits prompts to fit the step and serves running decodes
+before prefill chunks. Without it, prefills are whole: a waiting request whose prefill does not fit
+what is left of the budget waits, and so does everything behind it (head of line). The engine's
+``enable_chunked_prefill`` flag says whether splitting a prompt is allowed at all; a whole-prefill
+policy still splits a prompt longer than the entire step budget, which could never run otherwise.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cadence.request import RequestView
+from cadence.request import RequestStatus, RequestView
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -27,14 +44,19 @@ class PolicyContext:
 
     max_num_batched_tokens: int
     max_num_seqs: int
-    enable_chunked_prefill: bool
-    long_prefill_token_threshold: int  # 0: no cap
+    enable_chunked_prefill: bool  # the engine allows a prompt to be split across steps
+    long_prefill_token_threshold: int  # 0: no cap on one chunk
 
 
 class SchedulingPolicy(abc.ABC):
-    """Base class of every policy; subclasses are registered in ``cadence.policies`` entry points."""
+    """Base class of every policy; subclasses are registered in ``cadence.policies`` entry points.
+
+    :raises ValueError: from the constructor, for an option the policy does not take or a bad value.
+    """
 
     name: ClassVar[str]
+    #: Whether prompts are split into chunks when the ``chunked`` option is not given.
+    chunked_by_default: ClassVar[bool] = False
 
     def __init__(self, context: PolicyContext, options: Mapping[str, str] | None = None) -> None:
         self.context = context
@@ -43,39 +65,82 @@ class SchedulingPolicy(abc.ABC):
         if unknown:
             raise ValueError(f"policy {self.name!r} does not take option(s) {sorted(unknown)}; "
                              f"it accepts {sorted(self.accepted_options()) or 'none'}")
+        self.chunked = self.bool_option("chunked", self.chunked_by_default)
+        if self.chunked and not context.enable_chunked_prefill:
+            raise ValueError(f"policy {self.name!r} with chunked=true splits prompts, which the engine was "
+                             "told not to do (--no-enable-chunked-prefill); drop one of the two")
 
     @classmethod
     def accepted_options(cls) -> Sequence[str]:
-        """Names accepted by ``--policy-option KEY=VALUE``."""
-        return ()
+        """Names accepted by ``--policy-option KEY=VALUE``; subclasses extend the base's."""
+        return ("chunked",)
 
-    # ---- the three decisions ------------------------------------------------------------------
+    # ---- 1. order -----------------------------------------------------------------------------
 
     @abc.abstractmethod
     def order_waiting(self, waiting: Sequence[RequestView]) -> list[RequestView]:
-        """The waiting requests in the order they should be admitted (first = next)."""
+        """The waiting requests in the order they should be admitted (first = next).
+
+        ``waiting`` is in arrival order, except that preempted requests go back to the front.
+        Admission stops at the first request that cannot be admitted (budget, seats or blocks).
+        Called once per step in which the scheduler admits, and again after a preemption made for
+        a waiting request (its victims are back in ``waiting``).
+        """
+
+    def order_running(self, running: Sequence[RequestView]) -> list[RequestView]:
+        """The order in which running requests draw on the step's token budget.
+
+        ``running`` is in admission order. The default keeps it; with chunked prefill on, requests
+        with one token left (decodes) go first, so a long prompt's chunks only take what they leave.
+        """
+        ordered = list(running)
+        if self.chunked:
+            ordered.sort(key=_is_prefilling)  # stable: admission order within each group
+        return ordered
+
+    # ---- 2. size ------------------------------------------------------------------------------
 
     def num_tokens(self, request: RequestView, token_budget: int) -> int:
         """Tokens to schedule for ``request`` this step, given what is left of the step's budget.
 
-        Returning 0 skips the request this step. The default takes the whole remainder when it
-        fits and, with chunked prefill on, a chunk of what fits (capped by the long-prefill threshold).
+        Returning 0 skips a running request this step and stops admission at a waiting one. With
+        chunked prefill on: what fits, capped by the long-prefill threshold. Otherwise a waiting
+        request gets its whole remainder when it fits, else 0, except that a remainder longer than
+        the entire step budget is split (it could never run otherwise); a running request (a decode,
+        or the rest of such a split prompt) gets what fits.
         """
         remaining = request.num_tokens - request.num_computed_tokens
-        if self.context.enable_chunked_prefill:
+        if self.chunked:
             threshold = self.context.long_prefill_token_threshold
-            if threshold:
-                remaining = min(remaining, threshold)
-            return min(remaining, token_budget)
-        return remaining if remaining <= token_budget else 0
+            return min(remaining, threshold or remaining, token_budget)
+        if remaining <= token_budget:
+            return remaining
+        if request.status == RequestStatus.RUNNING or (
+                self.context.enable_chunked_prefill and remaining > self.context.max_num_batched_tokens):
+            return token_budget
+        return 0
+
+    # ---- 3. preemption ------------------------------------------------------------------------
 
     def pick_victim(self, running: Sequence[RequestView], needy: RequestView) -> RequestView:
-        """Which running request to preempt so that ``needy`` can get blocks.
+        """Which running request to preempt so that running ``needy`` can get blocks.
 
-        ``running`` is in admission order and includes ``needy`` when it is running; returning
-        ``needy`` itself means it yields. The default preempts the most recently admitted.
+        ``running`` is in admission order and includes ``needy``; returning ``needy`` itself means
+        it yields. Called again while ``needy`` still does not fit. The default preempts the most
+        recently admitted.
         """
         return running[-1]
+
+    def preempt_for(self, request: RequestView, running: Sequence[RequestView]) -> RequestView | None:
+        """A running request to preempt so that waiting ``request`` can be admitted, or ``None``.
+
+        Asked when the seats or the KV blocks have run out for ``request`` (called again while it
+        still does not fit), and, in a step that already preempted for a running request, to decide
+        whether ``request`` may be admitted at all (only if this names a victim). ``running`` holds
+        the requests that were running when the step began (in admission order), not those admitted
+        in it. The default never preempts for a waiting request.
+        """
+        return None
 
     # ---- notifications (default: nothing to track) -------------------------------------------
 
@@ -83,7 +148,43 @@ class SchedulingPolicy(abc.ABC):
         """A request entered the waiting queue for the first time."""
 
     def on_scheduled(self, request: RequestView, num_tokens: int) -> None:
-        """``request`` got ``num_tokens`` in the step being built."""
+        """``request`` got ``num_tokens`` in the step just built (once per request per step).
+
+        ``request.num_computed_tokens`` is still the step's starting point; a request whose step
+        reaches ``request.num_tokens`` samples one new token. A waiting request's first call is its
+        admission.
+        """
+
+    def on_preempted(self, request: RequestView) -> None:
+        """``request`` lost its blocks and went back to the waiting queue."""
 
     def on_finished(self, request: RequestView) -> None:
-        """``request`` finished (any reason) and left the scheduler."""
+        """``request`` finished (any reason, aborts included) and left the scheduler."""
+
+    # ---- option parsing -----------------------------------------------------------------------
+
+    def bool_option(self, key: str, default: bool) -> bool:
+        value = self.options.get(key)
+        if value is None:
+            return default
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+        raise ValueError(f"policy {self.name!r}: option {key}={value!r} must be true or false")
+
+    def float_option(self, key: str, default: float, minimum: float = 0.0) -> float:
+        value = self.options.get(key)
+        if value is None:
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and number >= minimum):
+            raise ValueError(f"policy {self.name!r}: option {key}={value!r} must be a number >= {minimum:g}")
+        return number
+
+
+def _is_prefilling(request: RequestView) -> bool:
+    return request.num_tokens - request.num_computed_tokens > 1

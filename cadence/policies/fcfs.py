@@ -1,4 +1,4 @@
-"""First come, first served: admit in arrival order; whole prefills unless chunking is on."""
+"""First come, first served: admit in arrival order; whole prefills unless ``chunked=true``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ from cadence.request import RequestView
 
 
 class FCFSPolicy(SchedulingPolicy):
+    """Arrival order; a prefill that does not fit the step's remaining budget waits, and so does
+    everything behind it (head of line)."""
+
     name = "fcfs"
 
     def order_waiting(self, waiting: Sequence[RequestView]) -> list[RequestView]:
-        # The scheduler keeps the queue in arrival order with preempted requests at the front.
+        # The scheduler keeps the queue in arrival order with preempted requests at the front,
+        # where they were: fcfs admits in arrival order, so they arrived before anything waiting.
         return list(waiting)

@@ -11,7 +11,8 @@ GROUP = "cadence.policies"
 
 
 def installed_policies() -> list[str]:
-    return sorted(ep.name for ep in entry_points(group=GROUP))
+    """Names of every policy registered in the ``cadence.policies`` group, sorted."""
+    return sorted({ep.name for ep in entry_points(group=GROUP)})
 
 
 def load_policy(name: str, context: PolicyContext, options: Mapping[str, str] | None = None) -> SchedulingPolicy:
@@ -20,7 +21,10 @@ def load_policy(name: str, context: PolicyContext, options: Mapping[str, str] | 
     if not matches:
         raise ValueError(f"unknown scheduling policy {name!r}; installed policies: "
                          f"{', '.join(installed_policies()) or 'none'}")
-    cls = matches[0].load()
+    try:
+        cls = matches[0].load()
+    except Exception as exc:  # a broken plugin: say which one, keep the cause
+        raise ValueError(f"scheduling policy {name!r} ({matches[0].value}) failed to import: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, SchedulingPolicy)):
         raise TypeError(f"entry point {name!r} in {GROUP} must name a SchedulingPolicy subclass, got {cls!r}")
     return cls(context, options)

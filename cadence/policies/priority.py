@@ -1,0 +1,45 @@
+"""Priority: lower ``priority`` value first, ties by arrival; a higher-priority arrival may preempt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cadence.policies.base import SchedulingPolicy
+from cadence.request import RequestView
+
+
+def _rank(request: RequestView) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Strict priority with preemption by recompute.
+
+    Waiting requests are admitted by ``(priority, arrival)``; a preempted request re-enters at its
+    rank, so it keeps its place. When seats or KV blocks run out for a waiting request, the
+    lowest-ranked running request is preempted if its priority is strictly lower (a larger value).
+    Running requests also draw on the token budget by rank, and the victim for a running request
+    that needs blocks is the lowest-ranked one (possibly itself).
+    """
+
+    name = "priority"
+
+    def order_waiting(self, waiting: Sequence[RequestView]) -> list[RequestView]:
+        return sorted(waiting, key=_rank)  # stable: equal ranks keep queue order
+
+    def order_running(self, running: Sequence[RequestView]) -> list[RequestView]:
+        return super().order_running(sorted(running, key=_rank))
+
+    def pick_victim(self, running: Sequence[RequestView], needy: RequestView) -> RequestView:
+        return _lowest(running)
+
+    def preempt_for(self, request: RequestView, running: Sequence[RequestView]) -> RequestView | None:
+        if not running:
+            return None
+        victim = _lowest(running)
+        return victim if victim.priority > request.priority else None
+
+
+def _lowest(running: Sequence[RequestView]) -> RequestView:
+    # Among equal ranks, the most recently admitted loses the least work.
+    return max(reversed(running), key=_rank)
