@@ -89,12 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(run=_generate)
-    from cadence.bench.cli import register as register_bench
-
-    register_bench(verbs)
+    # Each verb's module adds its own parser; imported here because they import this module.
     from cadence.api.server import register as register_serve
+    from cadence.bench.cli import register as register_bench
+    from cadence.sim.cli import register as register_simulate
 
-    register_serve(verbs)
+    for register in (register_serve, register_bench, register_simulate):
+        register(verbs)
     return parser
 
 

@@ -197,7 +197,7 @@ def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str]
     else:
         requests = random_requests(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
                                    tokenizer.vocab_size, ns.seed)
-    texts = [r.prompt if isinstance(r.prompt, str) else tokenizer.decode(r.prompt) for r in requests]
+    texts = [r.prompt if isinstance(r.prompt, str) else str(tokenizer.decode(r.prompt)) for r in requests]
     return requests, texts
 
 

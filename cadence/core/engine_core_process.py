@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import uuid
@@ -53,6 +54,8 @@ class EngineAddresses:
 
 def engine_core_main(config: EngineConfig, addresses: EngineAddresses, log_level: str) -> None:
     """The process's entry point; exits non-zero if the engine failed."""
+    # Ctrl-C reaches the whole process group; the server decides when the engine core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s engine-core %(name)s: %(message)s")
     torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
     ok = anyio.run(_serve, config, addresses)

@@ -1,0 +1,150 @@
+"""The aiohttp application: OpenAI's generation endpoints plus health, models, version, tokenizer
+and metrics routes, behind two middlewares (API key, errors in OpenAI's shape).
+
+``build_app`` takes an engine that is already running; starting and stopping it, signals and
+graceful shutdown belong to ``server.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from msgspec import Struct
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import cadence
+from cadence.api.chat import create_chat_completion
+from cadence.api.completions import create_completion
+from cadence.api.errors import APIError, bad_request
+from cadence.api.params import chat_prompt, decode_request
+from cadence.api.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    encode,
+)
+from cadence.api.serving import APIState, ServerSettings, engine_dead
+from cadence.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+STATE = web.AppKey("cadence_state", APIState)
+# Probes and scrapers reach these without the API key.
+_OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+# Long prompts as JSON: well above aiohttp's 1 MiB default.
+_MAX_BODY_BYTES = 64 * 2**20
+
+Handler = Callable[[web.Request, APIState], Awaitable[web.StreamResponse]]
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
+    """The HTTP app over a running ``engine``; its state is at ``app[STATE]``."""
+    middlewares = [_errors] if settings.api_key is None else [_errors, _auth(settings.api_key)]
+    app = web.Application(middlewares=middlewares, client_max_size=_MAX_BODY_BYTES)
+    app[STATE] = APIState(engine, settings)
+
+    def route(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def bound(request: web.Request) -> web.StreamResponse:
+            return await handler(request, request.app[STATE])
+        return bound
+
+    app.router.add_post("/v1/completions", route(create_completion))
+    app.router.add_post("/v1/chat/completions", route(create_chat_completion))
+    app.router.add_get("/v1/models", route(_models))
+    app.router.add_get("/health", route(_health))
+    app.router.add_get("/version", route(_version))
+    app.router.add_get("/metrics", route(_metrics))
+    app.router.add_post("/tokenize", route(_tokenize))
+    app.router.add_post("/detokenize", route(_detokenize))
+    return app
+
+
+def _json(body: Struct) -> web.Response:
+    return web.Response(body=encode(body), content_type="application/json")
+
+
+async def _models(request: web.Request, state: APIState) -> web.StreamResponse:
+    cards = [ModelCard(id=name, created=state.created, max_model_len=state.limits.max_model_len)
+             for name in state.settings.served_model_names]
+    return _json(ModelList(data=cards))
+
+
+async def _health(request: web.Request, state: APIState) -> web.StreamResponse:
+    if state.engine.dead is not None:
+        raise engine_dead(state.engine.dead)
+    if state.closing:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    return web.Response(status=200)
+
+
+async def _version(request: web.Request, state: APIState) -> web.StreamResponse:
+    return _json(VersionResponse(version=cadence.__version__))
+
+
+async def _metrics(request: web.Request, state: APIState) -> web.StreamResponse:
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _tokenize(request: web.Request, state: APIState) -> web.StreamResponse:
+    req = decode_request(await request.read(), TokenizeRequest)
+    state.check_model(req.model)
+    if req.messages is not None and req.prompt is None:
+        ids = chat_prompt(req.messages, state.tokenizer, req.add_generation_prompt)
+    elif req.prompt is not None and req.messages is None:
+        ids = list(state.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
+    else:
+        raise bad_request("give exactly one of prompt and messages", param="prompt")
+    return _json(TokenizeResponse(count=len(ids), max_model_len=state.limits.max_model_len, tokens=ids))
+
+
+async def _detokenize(request: web.Request, state: APIState) -> web.StreamResponse:
+    req = decode_request(await request.read(), DetokenizeRequest)
+    state.check_model(req.model)
+    vocab = state.limits.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise bad_request(f"tokens must be ids in [0, {vocab})", param="tokens")
+    return _json(DetokenizeResponse(prompt=str(state.tokenizer.decode(req.tokens))))
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    """Every error leaves in OpenAI's shape, aiohttp's own (404 route, 405, 413) included."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return APIError(exc.status, f"{exc.reason}: {request.method} {request.path}").response()
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as exc:
+        logger.exception("%s %s failed", request.method, request.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error").response()
+
+
+def _auth(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    expected = api_key.encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                   ) -> web.StreamResponse:
+        if request.path not in _OPEN_PATHS:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            # compare_digest: the time taken does not reveal how much of the key matched.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+                raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    return auth

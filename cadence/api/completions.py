@@ -1,0 +1,157 @@
+"""``POST /v1/completions``: text in, text out, streamed or not; a batch of prompts gives
+``len(prompts) * n`` choices, indexed prompt-major."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from cadence.api.errors import bad_request
+from cadence.api.logprobs import completion_logprobs, merge_completion_logprobs
+from cadence.api.params import (
+    DEFAULT_COMPLETION_TOKENS,
+    check_stream_options,
+    decode_request,
+    max_tokens_for,
+    sampling_params,
+)
+from cadence.api.params import completion_prompts as prompts_of
+from cadence.api.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+    encode,
+)
+from cadence.api.serving import APIState, Generation, validate
+from cadence.api.streaming import SSEStream, stream_response
+from cadence.messages import RequestOutput
+from cadence.sampling_params import SamplingParams
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[CompletionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    # Where the next token's text starts (text_offset), counting the echoed prompt.
+    offset: int = 0
+    started: bool = False
+
+
+class _Completion:
+    """One completions request, validated and ready to run."""
+
+    def __init__(self, state: APIState, req: CompletionRequest, model: str, arrival: float) -> None:
+        self.state = state
+        self.req = req
+        self.model = model
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        prompts = prompts_of(req, state.tokenizer)
+        self.prompt_ids = [ids for ids, _ in prompts]
+        self.echo = [text if req.echo else "" for _, text in prompts]
+        self.params = [self._params(ids) for ids in self.prompt_ids]
+        self.n = self.params[0].n
+        self.generation = Generation(state, self.id, self.prompt_ids, self.params, priority=req.priority,
+                                     user=req.user, arrival=arrival)
+        self.choices = [_Choice(offset=len(self.echo[i // self.n])) for i in range(len(prompts) * self.n)]
+        self.num_cached = [0] * len(prompts)
+        self.num_generated = 0
+
+    def _params(self, prompt_ids: list[int]) -> SamplingParams:
+        req = self.req
+        max_tokens = max_tokens_for(req.max_tokens, DEFAULT_COMPLETION_TOKENS, len(prompt_ids), self.state.limits)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        validate(self.state, prompt_ids, params, prompt_param="prompt")
+        return params
+
+    def apply(self, prompt_index: int, delta: RequestOutput) -> list[CompletionChoice]:
+        """Fold a delta in; the choices it adds to (text, logprobs, finish reason) as chunk choices."""
+        self.num_cached[prompt_index] = max(self.num_cached[prompt_index], delta.num_cached_tokens)
+        changed = []
+        for seq in delta.outputs:
+            index = prompt_index * self.n + seq.index
+            choice = self.choices[index]
+            text = seq.text
+            if not choice.started:
+                choice.started = True
+                text = self.echo[prompt_index] + text
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs = completion_logprobs(seq.logprobs or [], self.state.texts, choice.offset)
+                choice.offset += sum(len(t) for t in logprobs.tokens)
+                choice.logprobs.append(logprobs)
+            choice.text.append(text)
+            choice.finish_reason = seq.finish_reason or choice.finish_reason
+            self.num_generated += len(seq.token_ids)
+            if text or logprobs is not None or seq.finish_reason is not None:
+                changed.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                finish_reason=seq.finish_reason))
+        return changed
+
+    def usage(self) -> Usage:
+        prompt_tokens = sum(len(ids) for ids in self.prompt_ids)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=self.num_generated,
+                     total_tokens=prompt_tokens + self.num_generated,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.num_cached)))
+
+    def response(self) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=i, text="".join(c.text),
+                logprobs=merge_completion_logprobs(c.logprobs) if self.req.logprobs is not None else None,
+                finish_reason=c.finish_reason)
+            for i, c in enumerate(self.choices)
+        ]
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=self.usage())
+
+    def chunk(self, choices: list[CompletionChoice]) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices)
+
+
+async def create_completion(request: web.Request, state: APIState) -> web.StreamResponse:
+    arrival = time.monotonic()
+    req = decode_request(await request.read(), CompletionRequest)
+    model = state.check_model(req.model)
+    _check_unsupported(req)
+    include_usage = check_stream_options(req)
+    completion = _Completion(state, req, model, arrival)
+    with state.admitted(len(completion.prompt_ids)) as entry:
+        if not req.stream:
+            async def collect(prompt_index: int, delta: RequestOutput) -> None:
+                completion.apply(prompt_index, delta)
+
+            await completion.generation.run(entry, collect)
+            return web.Response(body=encode(completion.response()), content_type="application/json")
+
+        async def produce(stream: SSEStream) -> None:
+            async def send(prompt_index: int, delta: RequestOutput) -> None:
+                for choice in completion.apply(prompt_index, delta):
+                    await stream.send(completion.chunk([choice]))
+
+            await completion.generation.run(entry, send)
+            if include_usage:
+                last = completion.chunk([])
+                last.usage = completion.usage()
+                await stream.send(last)
+
+        return await stream_response(request, produce)
+
+
+def _check_unsupported(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise bad_request(f"best_of must equal n ({n}): cadence does not rank extra candidates", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt's logprobs, which cadence does not compute; "
+                          "drop one of them", param="logprobs")
+

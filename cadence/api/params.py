@@ -1,0 +1,180 @@
+"""From request bodies to what the engine takes: prompts as token ids, and :class:`SamplingParams`.
+
+Every check that can fail runs here, before anything is admitted, and fails with a 400 that says
+what to change and names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import jinja2
+import msgspec
+from transformers import PreTrainedTokenizerBase
+
+from cadence.api.errors import APIError, bad_request, from_validation_error, from_value_error
+from cadence.api.protocol import ChatMessage, CompletionRequest, SamplingFields
+from cadence.core.request_manager import ModelLimits
+from cadence.sampling_params import SamplingParams
+
+_PARAM_FIELDS = frozenset(SamplingParams.__struct_fields__)
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# The legacy completions endpoint's default.
+DEFAULT_COMPLETION_TOKENS = 16
+
+T = TypeVar("T")
+_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+
+def decode_request(raw: bytes, kind: type[T]) -> T:
+    """Decode and type-check a JSON body in one pass.
+
+    :raises APIError: 400 for malformed JSON, or a missing, mistyped or out-of-range field (``param``
+        names it).
+    """
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        result: T = decoder.decode(raw)
+        return result
+    except msgspec.ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """:raises APIError: 400 for a value ``SamplingParams`` rejects."""
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    stop = req.stop
+    try:
+        return SamplingParams(
+            n=pick(req.n, 1),
+            temperature=pick(req.temperature, 1.0),
+            top_p=pick(req.top_p, 1.0),
+            top_k=pick(req.top_k, 0),
+            min_p=pick(req.min_p, 0.0),
+            seed=req.seed,
+            presence_penalty=pick(req.presence_penalty, 0.0),
+            frequency_penalty=pick(req.frequency_penalty, 0.0),
+            repetition_penalty=pick(req.repetition_penalty, 1.0),
+            logit_bias=req.logit_bias or None,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=[stop] if isinstance(stop, str) else list(stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise from_value_error(exc, _PARAM_FIELDS) from None
+
+
+def check_stream_options(req: SamplingFields) -> bool:
+    """Whether to send a usage chunk. :raises APIError: for stream options without ``stream``."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def max_tokens_for(requested: int | None, default: int | None, num_prompt_tokens: int, limits: ModelLimits,
+                   *, param: str = "max_tokens", prompt_param: str = "prompt") -> int:
+    """The request's ``max_tokens``: as asked (if the context has room), else ``default`` or all the
+    room left, capped by the context.
+
+    :raises APIError: 400 ``context_length_exceeded`` when the prompt, or the prompt plus an explicit
+        ``max_tokens``, does not fit the context.
+    """
+    limit = limits.max_model_len
+    if num_prompt_tokens >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                          f"{num_prompt_tokens} tokens; shorten it to at most {limit - 1} tokens",
+                          param=prompt_param, code="context_length_exceeded")
+    room = limit - num_prompt_tokens
+    if requested is None:
+        kv_room = limits.kv_capacity_tokens - num_prompt_tokens
+        return max(1, min(room, kv_room, default if default is not None else room))
+    if requested > room:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} "
+                          f"for the completion); reduce the prompt or {param}",
+                          param=param, code="context_length_exceeded")
+    return requested
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], str]]:
+    """The request's prompts (one or a batch) as token ids, each with its text (for ``echo``).
+
+    :raises APIError: 400 for an empty or mixed ``prompt``.
+    """
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        items = list(prompt)
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                          "lists of token ids", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append((list(tokenizer(item, add_special_tokens=req.add_special_tokens).input_ids), item))
+        else:
+            text = str(tokenizer.decode(item)) if req.echo and all(0 <= t < len(tokenizer) for t in item) else ""
+            prompts.append((list(item), text))
+    return prompts
+
+
+def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
+                add_generation_prompt: bool = True) -> list[int]:
+    """Render the conversation with the tokenizer's chat template, as ``LLM.chat`` does.
+
+    :raises APIError: 400 for an unknown role, non-text content, or a template that rejects it.
+    """
+    if not messages:
+        raise bad_request("messages must not be empty", param="messages")
+    conversation: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if message.role not in _ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got "
+                              f"{message.role!r}", param=f"messages[{i}].role")
+        entry: dict[str, Any] = {
+            # Chat templates know "system"; OpenAI's "developer" is its newer name.
+            "role": "system" if message.role == "developer" else message.role,
+            "content": _text_content(message, i),
+        }
+        if message.name is not None:
+            entry["name"] = message.name
+        conversation.append(entry)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    try:
+        rendered: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=True, return_dict=True)
+        ids = rendered["input_ids"]
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+    return list(ids)
+
+
+def _text_content(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"messages[{index}].content[{j}] is of type {part.type!r}; this server takes "
+                                "only text parts", param=f"messages[{index}].content")
+        texts.append(part.text)
+    return "\n".join(texts)

@@ -1,0 +1,258 @@
+"""The HTTP API's bodies as msgspec Structs: requests (decoded and range-checked in one pass) and
+responses (encoded as OpenAI's published spec has them).
+
+Request fields keep OpenAI's names and ranges, plus vLLM's extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority`` ...). Most
+are nullable, as in the spec: a client may send ``null`` for "the default". Unknown fields are
+ignored, as vLLM does.
+
+Responses: a field the spec marks nullable and required is always sent (``null`` when empty); an
+optional field without a value is omitted (``msgspec.UNSET``), never sent as ``null``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+# ---- requests ------------------------------------------------------------------------------
+
+# vLLM's default cap on logprobs (the spec allows 5 for completions, 20 for chat).
+MAX_LOGPROBS = 20
+
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+Probability = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+NumChoices = Annotated[int, Meta(ge=1, le=128)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+TokenCount = Annotated[int, Meta(ge=0)]
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted; cadence never obfuscates
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Fields both generation endpoints share."""
+
+    model: str | None = None
+    n: NumChoices | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[int, float] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: Probability | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: TokenCount = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/completions``: one prompt (text or token ids) or a batch of them."""
+
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+    logprobs: NumLogprobs | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``: a conversation rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: NumLogprobs | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    # Streamed chunks carry null until the choice ends (OpenAI's and vLLM's practice; the spec's
+    # shared completion schema has no nullable here).
+    finish_reason: str | None
+
+
+class CompletionResponse(Struct):
+    """A completion and, with ``stream``, each of its chunks (the spec gives both one shape)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: Literal["text_completion"] = "text_completion"
+    usage: Usage | UnsetType = UNSET
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(Struct):
+    content: str | None
+    role: Literal["assistant"] = "assistant"
+    refusal: str | None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    # With ``stream_options.include_usage``: null on every chunk but the last (as the spec says).
+    usage: Usage | UnsetType | None = UNSET
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: Literal["model"] = "model"
+    owned_by: str = "cadence"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class VersionResponse(Struct):
+    version: str
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(body: Struct) -> bytes:
+    return _encoder.encode(body)

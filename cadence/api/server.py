@@ -1,0 +1,197 @@
+"""``cadence serve``: the engine core in its own process, the HTTP API in this one.
+
+Lifecycle: start the engine core and wait until it is ready, then listen. On SIGTERM or Ctrl-C,
+stop accepting, give in-flight requests ``--shutdown-timeout`` seconds to finish, abort the rest,
+stop the engine core and exit 0. If the engine core dies, every in-flight request fails at once
+and the server exits 1 after answering them, unless ``--stay-up-on-engine-death`` (then
+``/health`` answers 503 until someone stops it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cadence.cli import add_engine_args, engine_args_from
+
+if TYPE_CHECKING:
+    from cadence.api.serving import ServerSettings
+    from cadence.async_engine import AsyncEngine
+    from cadence.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_API_KEY_ENV = "CADENCE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    shutdown_timeout_s: float = 10.0
+    stay_up_on_engine_death: bool = False
+    log_level: str = "WARNING"
+
+
+def register(verbs: Any) -> None:
+    """Add the ``serve`` verb to the CLI's subparsers."""
+    serve = verbs.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                             description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_engine_args(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s; 0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) the API answers to; the first is reported in responses "
+                        f"(default: the model folder's or file's name, {DEFAULT_MODEL_NAME} for the default model)")
+    g.add_argument("--api-key", default=os.environ.get(_API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health, /version and "
+                        f"/metrics (default: ${_API_KEY_ENV}; none: no key needed)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests admitted and not finished beyond which new ones get 503 "
+                        "(default: %(default)s; 0: no limit)")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM / Ctrl-C before they are aborted "
+                        "(default: %(default)s)")
+    g.add_argument("--stay-up-on-engine-death", action="store_true",
+                   help="keep serving (503 on /health and on requests) if the engine core dies, instead of "
+                        "exiting non-zero")
+    serve.set_defaults(run=run_server)
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model.rstrip("/")).expanduser()
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    """The ``serve`` verb; the exit status.
+
+    :raises ValueError: for a bad engine option (the CLI reports it).
+    """
+    import prometheus_client
+    import torch
+
+    from cadence.api.serving import ServerSettings
+
+    # The engine core gets the cores; this process (HTTP, detokenizing) keeps one thread.
+    torch.set_num_threads(1)
+    # As vLLM does: no `_created` series next to every counter and histogram.
+    prometheus_client.disable_created_metrics()
+    config = engine_args_from(ns).create_config()
+    if ns.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
+    settings = ServerSettings(
+        served_model_names=tuple(ns.served_model_name or [default_model_name(ns.model)]),
+        api_key=ns.api_key or None,
+        max_waiting_requests=ns.max_waiting_requests or None,
+    )
+    options = ServeOptions(host=ns.host, port=ns.port, shutdown_timeout_s=ns.shutdown_timeout,
+                           stay_up_on_engine_death=ns.stay_up_on_engine_death, log_level=ns.log_level.upper())
+    return asyncio.run(serve(config, settings, options))
+
+
+class _Lifecycle:
+    """Signals and engine death, turned into "stop now": an event once listening, a cancel before."""
+
+    def __init__(self, stay_up_on_engine_death: bool) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.main = asyncio.current_task()
+        self.stop = asyncio.Event()
+        self.listening = False
+        self.signalled = False
+        self._stay_up = stay_up_on_engine_death
+
+    def install_signal_handlers(self) -> None:
+        # Ctrl-C reaches the whole process group, the engine core too; it must not die of it, since
+        # in-flight requests still need it. A signal ignored at spawn stays ignored in the child, and
+        # ``AsyncEngine.launch`` spawns the engine core before its first await, which is when the
+        # callback below puts this process's handlers in.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+        def install() -> None:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.loop.add_signal_handler(sig, self._on_signal)
+
+        self.loop.call_soon(install)
+
+    def remove_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.remove_signal_handler(sig)
+
+    def _on_signal(self) -> None:
+        self.signalled = True
+        if self.listening:
+            self.stop.set()
+        elif self.main is not None:
+            self.main.cancel()  # still starting: stop the engine core and leave
+
+    def on_dead(self, _: str) -> None:
+        if not self._stay_up:
+            self.stop.set()
+
+
+async def serve(config: EngineConfig, settings: ServerSettings, options: ServeOptions) -> int:
+    """Run until a signal (exit 0) or the engine's death (exit 1 unless told to stay up)."""
+    from cadence.async_engine import AsyncEngine
+
+    lifecycle = _Lifecycle(options.stay_up_on_engine_death)
+    lifecycle.install_signal_handlers()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                engine = await stack.enter_async_context(AsyncEngine.launch(
+                    config, max_waiting_requests=settings.max_waiting_requests, on_dead=lifecycle.on_dead,
+                    log_level=options.log_level))
+            except RuntimeError as exc:  # the engine core failed to start
+                print(f"cadence: {exc}", file=sys.stderr)
+                return 1
+            return await _serve_http(engine, settings, options, lifecycle)
+    except asyncio.CancelledError:
+        if not lifecycle.signalled:
+            raise
+        return 0
+    finally:
+        lifecycle.remove_signal_handlers()
+
+
+async def _serve_http(engine: AsyncEngine, settings: ServerSettings, options: ServeOptions,
+                      lifecycle: _Lifecycle) -> int:
+    """Listen until told to stop; then stop accepting, drain, and close. The exit status."""
+    from aiohttp import web
+
+    from cadence.api.app import STATE, build_app
+
+    app = build_app(engine, settings)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, options.host, options.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        print(f"cadence: cannot listen on {options.host}:{options.port}: {exc}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
+    lifecycle.listening = True
+    print(f"cadence: serving {settings.model_name} on http://{options.host}:{options.port}", file=sys.stderr,
+          flush=True)
+    await lifecycle.stop.wait()
+    state = app[STATE]
+    logger.warning("shutting down: %d requests in flight", state.num_in_flight)
+    await site.stop()
+    await state.drain(options.shutdown_timeout_s)
+    await runner.cleanup()
+    return 0 if engine.dead is None else 1

@@ -1,0 +1,220 @@
+"""What the handlers share: the server's settings and state, admission, and :class:`Generation`,
+which runs one API request's prompts through the engine.
+
+An admitted request is in flight, with a cancel scope of its own, until its handler returns: a
+graceful shutdown waits for it, and cancels the scope once the grace period is over (its
+``generate()`` then aborts the engine request, which frees its KV blocks within one engine step).
+A client that disconnects cancels its handler task (aiohttp's ``handler_cancellation``), with the
+same effect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import cast
+
+import anyio
+
+from cadence.api.errors import APIError, bad_request
+from cadence.api.logprobs import TokenTexts
+from cadence.api.metrics import APIMetrics, EngineState, RequestTimer
+from cadence.async_engine import AsyncEngine, EngineOverloadedError
+from cadence.core.actor import EngineDeadError
+from cadence.messages import RequestOutput
+from cadence.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The HTTP side's options (the engine's are in its ``EngineConfig``)."""
+
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("give at least one served model name")
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report."""
+        return self.served_model_names[0]
+
+
+class InFlight:
+    """An admitted request; its generation runs inside ``scope``."""
+
+    __slots__ = ("aborted", "scope")
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()
+        self.aborted = False
+
+
+class APIState:
+    """One app's engine, settings, metrics and in-flight generations."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.limits = engine.limits
+        self.texts = TokenTexts(engine.tokenizer)
+        self.block_size = engine.config.cache.block_size
+        self.metrics = APIMetrics(settings.model_name, self.limits.max_model_len, self._engine_state)
+        self.created = int(time.time())
+        self.closing = False
+        self._in_flight: set[InFlight] = set()
+
+    def _engine_state(self) -> EngineState:
+        return EngineState(self.engine.stats, self.engine.num_pending_requests,
+                           self.limits.kv_capacity_tokens // self.block_size)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def check_model(self, model: str | None) -> str:
+        """The name to answer with. :raises APIError: 404 for a model this server does not serve."""
+        if model is None or model in self.settings.served_model_names:
+            return self.settings.model_name
+        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                            f"{', '.join(self.settings.served_model_names)}", param="model", code="model_not_found")
+
+    @contextlib.contextmanager
+    def admitted(self, num_requests: int) -> Iterator[InFlight]:
+        """Admit a request of ``num_requests`` prompts and count it as in flight while inside; a
+        graceful shutdown waits for it, then cancels ``entry.scope`` (see :class:`Generation`).
+
+        :raises APIError: 503 when shutting down, the engine is dead, or too many requests wait.
+        """
+        self._check_admission(num_requests)
+        entry = InFlight()
+        self._in_flight.add(entry)
+        try:
+            yield entry
+        finally:
+            self._in_flight.discard(entry)
+
+    def _check_admission(self, num_requests: int) -> None:
+        if self.closing:
+            raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
+        if self.engine.dead is not None:
+            raise engine_dead(self.engine.dead)
+        limit = self.settings.max_waiting_requests
+        pending = self.engine.num_pending_requests
+        if limit is not None and pending + num_requests > limit:
+            raise APIError(503, f"the server is overloaded: {pending} requests pending "
+                                f"(--max-waiting-requests {limit}); retry later", code="engine_overloaded")
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, wait up to ``grace_s`` for those in flight, then abort the rest."""
+        self.closing = True
+        deadline = time.monotonic() + grace_s
+        while self._in_flight and time.monotonic() < deadline:
+            await anyio.sleep(0.05)
+        if self._in_flight:
+            logger.warning("aborting %d requests still running after the %.1f s grace period",
+                           len(self._in_flight), grace_s)
+        for entry in list(self._in_flight):
+            entry.aborted = True
+            entry.scope.cancel()
+        with anyio.move_on_after(5.0):
+            while self._in_flight:
+                await anyio.sleep(0.02)
+
+
+def validate(state: APIState, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str) -> None:
+    """The engine's admission checks (vocabulary, KV capacity), run before anything is admitted.
+
+    :raises APIError: 400 saying what to change.
+    """
+    try:
+        state.engine.validate(prompt_ids, params)
+    except ValueError as exc:
+        message = str(exc)
+        raise bad_request(message, param=prompt_param if "prompt" in message else None) from None
+
+
+def engine_dead(reason: str) -> APIError:
+    return APIError(503, f"the engine is dead: {reason}", code="engine_dead")
+
+
+DeltaHandler = Callable[[int, RequestOutput], Awaitable[None]]
+
+
+class Generation:
+    """One API request: one engine request per prompt (each with ``params.n`` sequences), run
+    concurrently; every delta goes to ``on_delta(prompt_index, delta)``.
+
+    :meth:`run` raises :class:`APIError` when the request cannot finish (engine dead, overloaded,
+    aborted by shutdown); anything ``on_delta`` raises (a write to a client that left) propagates.
+    """
+
+    def __init__(self, state: APIState, request_id: str, prompts: list[list[int]], params: list[SamplingParams], *,
+                 priority: int = 0, user: str | None = None, arrival: float | None = None) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.priority = priority
+        self.user = user
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self._error: BaseException | None = None
+
+    async def run(self, entry: InFlight, on_delta: DeltaHandler) -> None:
+        """Generate within ``entry`` (from :meth:`APIState.admitted`)."""
+        with entry.scope:
+            if len(self.prompts) == 1:
+                await self._one(0, on_delta)
+            else:
+                async with anyio.create_task_group() as group:
+                    for index in range(len(self.prompts)):
+                        group.start_soon(self._guarded, index, on_delta, group.cancel_scope)
+                if self._error is not None:
+                    raise self._error
+        if entry.aborted:
+            raise APIError(503, "the server shut down before the request finished; it was aborted",
+                           code="shutting_down")
+
+    async def _guarded(self, index: int, on_delta: DeltaHandler, scope: anyio.CancelScope) -> None:
+        """Run one prompt; the first failure is kept and stops its siblings (no exception groups)."""
+        try:
+            await self._one(index, on_delta)
+        except Exception as exc:
+            if self._error is None:
+                self._error = exc
+            scope.cancel()
+
+    async def _one(self, index: int, on_delta: DeltaHandler) -> None:
+        state, params = self.state, self.params[index]
+        prompt = self.prompts[index]
+        timer = RequestTimer(state.metrics, len(prompt), params.n, self.arrival)
+        outcome = "abort"
+        # ``generate`` is an async generator (its annotation says only AsyncIterator).
+        deltas = cast("AsyncGenerator[RequestOutput, None]", state.engine.generate(
+            prompt, params, f"{self.request_id}-{index}", priority=self.priority, user=self.user))
+        try:
+            # aclosing: leaving early for any reason (client gone, shutdown) aborts the engine request now.
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    timer.on_delta(delta)
+                    if any(seq.finish_reason == "abort" for seq in delta.outputs):
+                        raise APIError(503, "the request was aborted by the server", code="aborted")
+                    await on_delta(index, delta)
+        except EngineDeadError as exc:
+            outcome = "error"
+            raise engine_dead(str(exc)) from None
+        except EngineOverloadedError as exc:
+            raise APIError(503, str(exc), code="engine_overloaded") from None
+        except ValueError as exc:  # the engine's own admission checks
+            raise bad_request(str(exc)) from None
+        finally:
+            timer.close(outcome)

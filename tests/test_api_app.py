@@ -1,0 +1,134 @@
+"""The aiohttp app in-process over a scripted engine: internal failures (before and mid-stream)
+and logprobs formatting, where a real engine cannot be made to misbehave on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from conftest import build_tiny_tokenizer
+
+from cadence.api.app import build_app
+from cadence.api.logprobs import TokenTexts, _bytes_to_unicode
+from cadence.api.serving import ServerSettings
+from cadence.api.testing import OpenAISpec
+from cadence.core.actor import EngineDeadError
+from cadence.core.request_manager import ModelLimits, validate_request
+from cadence.messages import CompletionOutput, RequestOutput, TokenLogprobs
+from cadence.sampling_params import SamplingParams
+
+Step = Callable[[SamplingParams], RequestOutput]
+
+
+def delta(token_ids: list[int], text: str, finish: str | None = None, logprobs: list[TokenLogprobs] | None = None
+          ) -> Step:
+    def make(params: SamplingParams) -> RequestOutput:
+        return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[], finished=finish is not None,
+                             outputs=[CompletionOutput(index=0, text=text, token_ids=token_ids, logprobs=logprobs,
+                                                       finish_reason=finish)])
+    return make
+
+
+def fail(exc: BaseException) -> Step:
+    def make(params: SamplingParams) -> RequestOutput:
+        raise exc
+    return make
+
+
+class ScriptedEngine:
+    """What the app needs of an ``AsyncEngine``; ``generate`` plays ``script``."""
+
+    def __init__(self, script: list[Step]) -> None:
+        self.tokenizer = build_tiny_tokenizer()
+        self.limits = ModelLimits(max_model_len=64, vocab_size=320, kv_capacity_tokens=160, eos_token_id=0)
+        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16))
+        self.dead: str | None = None
+        self.stats = None
+        self.num_pending_requests = 0
+        self.script = script
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        validate_request(self.limits, prompt_token_ids, params)
+
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None, *,
+                       priority: int = 0, user: str | None = None) -> AsyncIterator[RequestOutput]:
+        for step in self.script:
+            await asyncio.sleep(0)
+            yield step(params)
+
+
+def call(script: list[Step], path: str, body: dict[str, Any]) -> tuple[int, str]:
+    async def run() -> tuple[int, str]:
+        app = build_app(ScriptedEngine(script), ServerSettings(served_model_names=("m",)))  # type: ignore[arg-type]
+        async with TestClient(TestServer(app)) as client:
+            response = await client.post(path, json=body)
+            return response.status, await response.text()
+    return asyncio.run(run())
+
+
+def events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def spec() -> OpenAISpec:
+    return OpenAISpec()
+
+
+def test_an_internal_failure_is_500(spec: OpenAISpec) -> None:
+    status, text = call([fail(RuntimeError("boom"))], "/v1/completions", {"prompt": "Paris"})
+    assert status == 500
+    spec.validate(json.loads(text), "ErrorResponse")
+    assert json.loads(text)["error"]["code"] == "internal_error" and "boom" in json.loads(text)["error"]["message"]
+
+
+@pytest.mark.parametrize(("exc", "code"), [(RuntimeError("boom"), "internal_error"),
+                                           (EngineDeadError("engine core exited"), "engine_dead")])
+def test_a_mid_stream_failure_sends_an_error_event_and_closes(spec: OpenAISpec, exc: BaseException, code: str
+                                                              ) -> None:
+    status, text = call([delta([5], "ab"), fail(exc)], "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    assert status == 200
+    *chunks, error = events(text)
+    assert "[DONE]" not in chunks and len(chunks) == 2  # the role, then "ab"
+    spec.validate(json.loads(error), "ErrorResponse")
+    assert json.loads(error)["error"]["code"] == code
+
+
+def test_an_aborted_request_is_an_error_not_a_finish_reason() -> None:
+    status, text = call([delta([5], "a"), delta([], "", finish="abort")], "/v1/completions", {"prompt": "Paris"})
+    assert status == 503 and json.loads(text)["error"]["code"] == "aborted"
+
+
+def test_logprobs_formats(spec: OpenAISpec) -> None:
+    tokenizer = build_tiny_tokenizer()
+    byte_e2 = tokenizer.convert_tokens_to_ids(_bytes_to_unicode()[0xE2])
+    paris = tokenizer("Paris").input_ids[0]
+    entries = [TokenLogprobs(token_ids=[paris, paris, byte_e2], logprobs=[-0.5, -0.5, -math.inf], sampled_rank=1),
+               TokenLogprobs(token_ids=[byte_e2, paris, byte_e2], logprobs=[-2.0, -0.1, -2.0], sampled_rank=2)]
+    script = [delta([paris, byte_e2], "P", finish="length", logprobs=entries)]
+    status, text = call(script, "/v1/completions", {"prompt": "Paris", "logprobs": 2, "echo": False})
+    assert status == 200
+    body = json.loads(text)
+    spec.validate(body, "CreateCompletionResponse")
+    texts = TokenTexts(tokenizer)
+    assert texts.text(byte_e2) == "bytes:\\xe2" and texts.bytes(byte_e2) == [0xE2]
+    p = texts.text(paris)
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": [p, "bytes:\\xe2"], "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{p: -0.5, "bytes:\\xe2": -9999.0}, {p: -0.1, "bytes:\\xe2": -2.0}],
+        "text_offset": [0, len(p)]}
+    status, text = call(script, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "logprobs": True, "top_logprobs": 1})
+    assert status == 200
+    body = json.loads(text)
+    spec.validate(body, "CreateChatCompletionResponse")
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [(t["token"], t["bytes"], len(t["top_logprobs"])) for t in content] == [
+        (p, list(p.encode()), 1), ("bytes:\\xe2", [0xE2], 1)]
