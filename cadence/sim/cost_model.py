@@ -1,0 +1,238 @@
+"""The simulator's step-time model: a linear cost over what a step computes, fitted to real timings.
+
+``step_time = const + prefill_tokens·c + decode_seqs·c + kv_tokens·c + prefill_attn·c + prefills·c
++ sampled·c`` where, for one engine step,
+
+- ``prefill_tokens``: tokens of requests given more than one token (linear layers, KV writes);
+- ``decode_seqs``: requests given exactly one token (the same layers, one row each);
+- ``kv_tokens``: cached tokens the decodes attend over, padded to the longest decode as the
+  ``sdpa`` backend gathers them (``decodes × longest decode context``);
+- ``prefill_attn``: query × key pairs of the prefills (``Σ new · context``), the quadratic part;
+- ``prefills``: requests given more than one token (one attention call per layer each);
+- ``sampled``: requests that reach the end of their known tokens (LM head rows and sampling).
+
+``const`` holds the fixed per-step cost: input preparation, the engine loop, actor messages.
+Coefficients are seconds per unit, fitted by least squares with non-negative coefficients on
+timings of the real engine (``cadence simulate calibrate``), and stored as JSON with how and
+where they were measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn", "prefills", "sampled")
+_FORMAT = "cadence-cost-model"
+_REWEIGHTS = 8
+# A step far off the fit was slowed by something else on the machine (or was a one-off, like a
+# first call): it is left out of the next iteration. Quiet runs have a few percent of noise.
+_OUTLIER_SIGMAS = 3.0
+_MIN_OUTLIER_BAND = 0.1
+_VERSION = 1
+
+# Fitted by `cadence simulate calibrate` for SmolLM2-135M-Instruct, bf16, sdpa, 2 threads, on the
+# 2-core development machine (see DEFAULT_METADATA): a usable starting point when no file is given.
+DEFAULT_COEFFICIENTS: dict[str, float] = {
+    "const": 0.0252,
+    "prefill_tokens": 6.03e-4,
+    "decode_seqs": 6.21e-4,
+    "kv_tokens": 6.22e-6,
+    "prefill_attn": 1.49e-7,
+    "prefills": 0.0,
+    "sampled": 0.0,
+}
+DEFAULT_METADATA: dict[str, Any] = {
+    "model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "attention_backend": "sdpa", "threads": 2,
+    "cpu_count": 2, "date": "2026-11-29", "source": "built-in",
+    "fit": {"num_samples": 287, "median_rel_error": 0.092, "total_time_ratio": 0.976},
+}
+
+
+@dataclass(slots=True)
+class StepShape:
+    """What one engine step computes; see the module docstring for each field."""
+
+    num_seqs: int = 0
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    kv_tokens: int = 0
+    prefill_attn: int = 0
+    prefills: int = 0
+    sampled: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    def features(self) -> list[float]:
+        """Values in :data:`FEATURES` order (``const`` is 1)."""
+        return [1.0, self.prefill_tokens, self.decode_seqs, self.kv_tokens, self.prefill_attn, self.prefills,
+                self.sampled]
+
+
+@dataclass(frozen=True)
+class FitQuality:
+    """How well a fit reproduces its own samples (relative errors are |pred - true| / true)."""
+
+    num_samples: int
+    r2: float
+    median_rel_error: float
+    p90_rel_error: float
+    total_time_ratio: float  # sum(pred) / sum(true): the bias that throughput sees
+
+    def to_dict(self) -> dict[str, float]:
+        return {"num_samples": self.num_samples, "r2": self.r2, "median_rel_error": self.median_rel_error,
+                "p90_rel_error": self.p90_rel_error, "total_time_ratio": self.total_time_ratio}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per unit of each feature; features left out cost nothing."""
+
+    coefficients: Mapping[str, float]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coefficients) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown cost-model feature(s) {sorted(unknown)}; known: {', '.join(FEATURES)}")
+        bad = [k for k, v in self.coefficients.items() if not (math.isfinite(v) and v >= 0)]
+        if bad:
+            raise ValueError(f"cost-model coefficients must be finite and >= 0: {sorted(bad)}")
+        # The hot path reads a tuple, not the mapping.
+        object.__setattr__(self, "_c", tuple(float(self.coefficients.get(name, 0.0)) for name in FEATURES))
+
+    @classmethod
+    def default(cls) -> CostModel:
+        return cls(DEFAULT_COEFFICIENTS, DEFAULT_METADATA)
+
+    @classmethod
+    def constant(cls, step_time_s: float) -> CostModel:
+        """Every step takes the same time: handy for tests that care about order, not speed."""
+        return cls({"const": step_time_s}, {"source": "constant"})
+
+    def step_time(self, shape: StepShape) -> float:
+        c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
+        return (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_seqs + c[3] * shape.kv_tokens
+                + c[4] * shape.prefill_attn + c[5] * shape.prefills + c[6] * shape.sampled)
+
+    # ---- files ---------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": _FORMAT, "version": _VERSION, "coefficients": dict(self.coefficients),
+                "metadata": dict(self.metadata)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        """:raises ValueError: if the file is not a cost model this version reads."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read cost model {path}: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a cadence cost model (write one with `cadence simulate calibrate`)")
+        if data.get("version") != _VERSION:
+            raise ValueError(f"{path} is cost-model version {data.get('version')}; this cadence reads {_VERSION}")
+        return cls({k: float(v) for k, v in data["coefficients"].items()}, data.get("metadata", {}))
+
+    def describe(self) -> str:
+        terms = ", ".join(f"{name}={self.coefficients[name]:.3g}" for name in FEATURES
+                          if self.coefficients.get(name))
+        return f"step_time_s = {terms or '0'}"
+
+
+# ---- fitting --------------------------------------------------------------------------------
+
+
+def fit_cost_model(
+    shapes: Sequence[StepShape],
+    times: Sequence[float],
+    *,
+    features: Iterable[str] = FEATURES,
+    relative: bool = True,
+    metadata: Mapping[str, Any] | None = None,
+) -> tuple[CostModel, FitQuality]:
+    """Least-squares coefficients, all >= 0, for ``times[i] ≈ cost(shapes[i])``.
+
+    ``relative`` fits relative errors, so that short decode steps count as much as long prefills:
+    the noise of step timings is multiplicative (and skewed: a busy machine only ever slows a
+    step). Weighing each sample by ``1 / time`` would favour the fast draws and predict too
+    little time overall, so the weights are ``1 / predicted time``, iterated from there (the
+    maximum-likelihood fit of a mean under Gamma-distributed noise), leaving out steps more than
+    three robust standard deviations off (a step another process slowed down). A coefficient that would go
+    negative is held at 0 (Lawson and Hanson's NNLS). Nearly collinear features (decodes and
+    sampled rows) can trade weight between them; their sum, and so the predicted time, is stable.
+
+    :raises ValueError: with fewer samples than features, or a non-positive time.
+    """
+    names = [n for n in FEATURES if n in set(features)]
+    if len(shapes) != len(times):
+        raise ValueError(f"{len(shapes)} shapes but {len(times)} times")
+    if len(shapes) < len(names):
+        raise ValueError(f"need at least {len(names)} samples to fit {len(names)} features, got {len(shapes)}")
+    y = np.asarray(times, dtype=np.float64)
+    if not (y > 0).all():
+        raise ValueError("step times must be > 0")
+    columns = [FEATURES.index(n) for n in names]
+    x = np.array([shape.features() for shape in shapes], dtype=np.float64)[:, columns]
+    w = 1.0 / y if relative else np.ones_like(y)
+    coef = _nonnegative_lstsq(x * w[:, None], y * w)
+    keep = np.ones_like(y, dtype=bool)
+    for _ in range(_REWEIGHTS if relative else 0):
+        predicted = np.maximum(x @ coef, 1e-3 * y.mean())
+        residual = (y - predicted) / predicted
+        spread = 1.4826 * float(np.median(np.abs(residual[keep])))  # a robust standard deviation
+        keep = np.abs(residual) <= max(_OUTLIER_SIGMAS * spread, _MIN_OUTLIER_BAND)
+        coef = _nonnegative_lstsq(x[keep] / predicted[keep, None], y[keep] / predicted[keep])
+    model = CostModel({n: float(c) for n, c in zip(names, coef, strict=True)}, dict(metadata or {}))
+    return model, fit_quality(model, shapes, times)
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Lawson and Hanson's active-set NNLS: ``argmin |a x - b|`` subject to ``x >= 0``."""
+    # Columns are scaled to unit norm first: raw features span ~10 orders of magnitude.
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    n = a.shape[1]
+    tol = 10 * np.finfo(float).eps * max(a.shape) * float(np.abs(a).sum(axis=0).max())
+    passive = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    gradient = a.T @ (b - a @ x)
+    for _ in range(3 * n):
+        if passive.all() or gradient[~passive].max() <= tol:
+            break
+        passive[int(np.argmax(np.where(passive, -np.inf, gradient)))] = True
+        while True:
+            trial = np.zeros(n)
+            trial[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if trial[passive].min() > 0:
+                break
+            # Step from x towards the trial point until the first coefficient reaches 0; drop it.
+            blocking = passive & (trial <= 0)
+            alpha = float(np.min(x[blocking] / (x[blocking] - trial[blocking])))
+            x = x + alpha * (trial - x)
+            passive &= x > tol
+        x = trial
+        gradient = a.T @ (b - a @ x)
+    return x / scale
+
+
+def fit_quality(model: CostModel, shapes: Sequence[StepShape], times: Sequence[float]) -> FitQuality:
+    y = np.asarray(times, dtype=np.float64)
+    pred = np.array([model.step_time(s) for s in shapes])
+    rel = np.abs(pred - y) / y
+    ss_res = float(((pred - y) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0
+    return FitQuality(num_samples=len(y), r2=1.0 - ss_res / ss_tot, median_rel_error=float(np.median(rel)),
+                      p90_rel_error=float(np.percentile(rel, 90)), total_time_ratio=float(pred.sum() / y.sum()))

@@ -1,0 +1,195 @@
+"""The simulator: the real scheduler on a virtual clock, its cost model, its CLI verb and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cadence.core.scheduler import Scheduler
+from cadence.messages import SchedulerOutput
+from cadence.policies.fcfs import FCFSPolicy
+from cadence.policies.loader import installed_policies
+from cadence.sim import (
+    CostModel,
+    EngineLimits,
+    RequestSpec,
+    StepShape,
+    fit_cost_model,
+    simulate,
+    synthetic_workload,
+)
+from cadence.sim.cli import register
+from cadence.sim.report import plot
+
+SMALL = EngineLimits(num_kv_blocks=64, block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def _workload(n: int = 60, seed: int = 0) -> list[RequestSpec]:
+    return synthetic_workload(n, request_rate=20.0, input_len="uniform:4:60", output_len="uniform:1:30",
+                              tenants="a=1,b=1", seed=seed)
+
+
+def test_simulation_is_deterministic_for_a_seed() -> None:
+    a = simulate(_workload(), SMALL, "fcfs", CostModel.default(), seed=3)
+    b = simulate(_workload(), SMALL, "fcfs", CostModel.default(), seed=3)
+    assert a.records == b.records and a.steps == b.steps
+    assert a.num_preemptions == b.num_preemptions > 0  # the small pool forces preemptions
+    assert a.summary()["median_ttft_ms"] == b.summary()["median_ttft_ms"]
+    c = simulate(_workload(seed=1), SMALL, "fcfs", CostModel.default(), seed=3)
+    assert c.records != a.records
+
+
+def test_every_request_gets_its_tokens_and_every_step_keeps_the_limits() -> None:
+    seen: list[int] = []
+
+    def check(scheduler: Scheduler, out: SchedulerOutput) -> None:
+        assert out.total_num_scheduled_tokens <= SMALL.max_num_batched_tokens
+        assert len(out.num_scheduled_tokens) <= SMALL.max_num_seqs
+        scheduler.allocator.check_integrity()
+        seen.append(out.step_id)
+
+    workload = _workload()
+    result = simulate(workload, SMALL, FCFSPolicy(SMALL.policy_context()), CostModel.constant(0.01), on_step=check)
+    assert len(seen) == result.num_steps
+    by_id = {s.request_id: s for s in workload}
+    for record in result.records:
+        assert record.completed
+        assert record.output_tokens == by_id[record.request_id].output_tokens
+        assert all(b > a for a, b in zip(record.chunk_times, record.chunk_times[1:], strict=False))
+        assert record.ttft >= 0.01 - 1e-12  # at least one step after arrival
+    assert set(result.finish_reasons.values()) == {"length"}
+    # A constant step time: the clock is steps x 10 ms plus idle jumps.
+    assert all(s.duration == 0.01 for s in result.steps)
+
+
+@pytest.mark.parametrize("policy", installed_policies())
+def test_every_installed_policy_runs_in_the_simulator(policy: str) -> None:
+    workload = synthetic_workload(80, request_rate=30.0, input_len="uniform:4:60", output_len="uniform:1:30",
+                                  tenants="a=3,b=1", priority_levels=3, seed=5)
+    first = simulate(workload, SMALL, policy, seed=1)
+    assert all(r.completed for r in first.records)
+    assert sum(r.output_tokens for r in first.records) == sum(s.output_tokens for s in workload)
+    again = simulate(workload, SMALL, policy, seed=1)
+    assert again.records == first.records and again.steps == first.steps
+
+
+def test_clock_jumps_over_idle_time_and_steps_take_the_modelled_time() -> None:
+    model = CostModel({"const": 0.5, "prefill_tokens": 0.01, "decode_seqs": 0.1})
+    workload = [RequestSpec(0.0, 10, 3), RequestSpec(100.0, 10, 1)]
+    result = simulate(workload, EngineLimits(num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=64),
+                      "fcfs", model)
+    first, second = result.records
+    # Prefill of 10 tokens (0.6 s) gives the first token, then two decodes of 0.6 s each.
+    assert first.chunk_times == pytest.approx([0.6, 1.2, 1.8])
+    assert second.chunk_times == pytest.approx([100.6])
+    assert [s.start for s in result.steps] == pytest.approx([0.0, 0.6, 1.2, 100.0])
+
+
+def test_requests_the_engine_would_reject_fail_at_the_boundary() -> None:
+    limits = EngineLimits(num_kv_blocks=5, block_size=4, max_model_len=64, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        simulate([RequestSpec(0.0, 64, 1)], limits)
+    with pytest.raises(ValueError, match="KV cache"):
+        simulate([RequestSpec(0.0, 10, 20)], limits)
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        simulate([RequestSpec(0.0, 4, 1)], limits, "no-such-policy")
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    rng = np.random.default_rng(0)
+    truth = CostModel({"const": 0.02, "prefill_tokens": 7e-4, "decode_seqs": 5e-4, "kv_tokens": 3e-7,
+                       "prefill_attn": 2e-8, "prefills": 0.0, "sampled": 1e-4})
+    shapes = []
+    for _ in range(300):
+        decodes, prefills = int(rng.integers(0, 64)), int(rng.integers(0, 4))
+        chunk = [int(rng.integers(2, 600)) for _ in range(prefills)]
+        context = int(rng.integers(1, 2000))
+        shapes.append(StepShape(num_seqs=decodes + prefills, prefill_tokens=sum(chunk), decode_seqs=decodes,
+                                kv_tokens=decodes * context, prefill_attn=sum(c * (c + context) for c in chunk),
+                                prefills=prefills, sampled=decodes + int(rng.integers(0, prefills + 1))))
+    times = [truth.step_time(s) for s in shapes]
+    model, quality = fit_cost_model(shapes, times)
+    for name, value in truth.coefficients.items():
+        assert model.coefficients[name] == pytest.approx(value, rel=1e-6, abs=1e-12), name
+    assert quality.median_rel_error < 1e-9 and quality.r2 == pytest.approx(1.0)
+    # With 5% noise the fit stays close, and no coefficient goes negative.
+    noisy = [t * (1 + 0.05 * rng.standard_normal()) for t in times]
+    model, quality = fit_cost_model(shapes, noisy)
+    assert all(v >= 0 for v in model.coefficients.values())
+    assert model.coefficients["prefill_tokens"] == pytest.approx(7e-4, rel=0.05)
+    # Decodes are nearly always sampled: the fit may split their cost either way, not change the sum.
+    per_decode = model.coefficients.get("decode_seqs", 0) + model.coefficients.get("sampled", 0)
+    assert per_decode == pytest.approx(6e-4, rel=0.1)
+    assert quality.total_time_ratio == pytest.approx(1.0, rel=0.02)
+
+
+def test_cost_model_round_trips_and_rejects_other_files(tmp_path: Path) -> None:
+    model = CostModel({"const": 0.01, "kv_tokens": 1e-7}, {"model": "m", "dtype": "bfloat16"})
+    model.save(tmp_path / "costs.json")
+    assert CostModel.load(tmp_path / "costs.json") == model
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="not a cadence cost model"):
+        CostModel.load(tmp_path / "other.json")
+    with pytest.raises(ValueError, match="unknown cost-model feature"):
+        CostModel({"flops": 1.0})
+    with pytest.raises(ValueError, match=">= 0"):
+        CostModel({"const": -1.0})
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    results = [simulate(_workload(), SMALL, "fcfs", label=label) for label in ("one", "two")]
+    paths = plot(results, tmp_path / "plots")
+    assert [p.name for p in paths] == ["latency_cdf.png", "queue_kv.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def _cli() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cadence")
+    register(parser.add_subparsers(dest="verb", required=True))
+    return parser
+
+
+def test_simulate_verb_prints_a_table_and_writes_json_and_plots(
+        make_tiny_model: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(make_tiny_model("llama"))
+    out = tmp_path / "out"
+    ns = _cli().parse_args([
+        "simulate", "--model", folder, "--num-kv-blocks", "64", "--num-requests", "40", "--request-rate", "10",
+        "--input-len", "uniform:8:64", "--output-len", "8", "--tenants", "2", "--compare", "fcfs:",
+        "--goodput", "ttft:500", "tpot:100", "--output-dir", str(out), "--save-trace", str(tmp_path / "t.jsonl"),
+    ])
+    assert ns.run(ns) == 0
+    table = capsys.readouterr().out
+    assert "goodput (req/s)" in table and "output share tenant-1" in table and "p99 TTFT (ms)" in table
+    data = json.loads((out / "results.json").read_text())
+    assert [r["policy"] for r in data["results"]] == ["fcfs", "fcfs:"]
+    assert data["results"][0]["completed"] == 40 and data["results"][0]["request_goodput"] is not None
+    assert data["results"][0]["median_ttft_ms"] == data["results"][1]["median_ttft_ms"]
+    assert (out / "latency_cdf.png").stat().st_size > 0 and (out / "queue_kv.png").stat().st_size > 0
+
+    # The saved trace replays to the same figures.
+    ns = _cli().parse_args(["simulate", "--model", folder, "--num-kv-blocks", "64", "--trace",
+                            str(tmp_path / "t.jsonl"), "--output-dir", str(tmp_path / "again"), "--no-plots"])
+    assert ns.run(ns) == 0
+    again = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert again["results"][0]["median_ttft_ms"] == data["results"][0]["median_ttft_ms"]
+    assert not (tmp_path / "again" / "latency_cdf.png").exists()
+
+
+def test_calibrate_verb_writes_a_cost_model_the_simulator_loads(
+        make_tiny_model: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(make_tiny_model("llama"))
+    costs = tmp_path / "costs.json"
+    ns = _cli().parse_args(["simulate", "calibrate", "--model", folder, "--dtype", "float32",
+                            "--num-kv-blocks", "512", "--quick", "--output", str(costs)])
+    assert ns.run(ns) == 0
+    model = CostModel.load(costs)
+    assert model.metadata["dtype"] == "float32" and model.metadata["fit"]["num_samples"] > 20
+    assert model.step_time(StepShape(num_seqs=1, decode_seqs=1, sampled=1)) > 0
+    assert "step_time_s = " in capsys.readouterr().out
