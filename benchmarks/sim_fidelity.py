@@ -23,7 +23,7 @@ import time
 from cadence.bench.metrics import compute_metrics
 from cadence.core.engine import Engine
 from cadence.engine_args import EngineArgs
-from cadence.sim.calibrate import calibrate, cycle_samples, timing
+from cadence.sim.calibrate import TimedStep, cycle_samples, default_plan, fit_timed_steps, time_steps, timing
 from cadence.sim.cost_model import CostModel, fit_cost_model, fit_quality
 from cadence.sim.replay import replay
 from cadence.sim.simulator import EngineLimits, simulate
@@ -65,13 +65,18 @@ def main() -> int:
     args = parser.parse_args()
 
     engine = Engine(EngineArgs(model=args.model, dtype=args.dtype, num_threads=args.num_threads).create_config())
+    calibration_steps: list[TimedStep] = []
     if args.cost_model:
         cost_model = CostModel.load(args.cost_model)
         replay(engine, synthetic_workload(4, input_len=64, output_len=8, seed=args.seed + 1))  # warm-up
     else:
         _log(f"calibrating ({_load()})")
         started = time.perf_counter()
-        cost_model, quality = calibrate(engine, seed=args.seed, progress=lambda m: _log(f"  {m}"))
+        config = engine.config
+        plan = default_plan(config.scheduler.max_num_seqs, config.model.max_model_len, args.seed,
+                            vocab_size=engine.limits.vocab_size, prefix_caching=config.cache.enable_prefix_caching)
+        calibration_steps = time_steps(engine, plan, args.seed, progress=lambda m: _log(f"  {m}"))
+        cost_model, quality = fit_timed_steps(engine, calibration_steps, time.perf_counter() - started)
         _log(f"calibrated in {time.perf_counter() - started:.0f} s ({_load()}): {cost_model.describe()}\n"
              f"  fit over {quality.num_samples} steps: median relative error {100 * quality.median_rel_error:.1f}%,"
              f" total time ratio {quality.total_time_ratio:.3f}")
@@ -106,8 +111,7 @@ def main() -> int:
          f"{100 * self_quality.median_rel_error:.1f}%; real run had {len(timer.steps)} steps")
     if args.steps_json:
         with open(args.steps_json, "w") as f:
-            json.dump([{"start": t.start, "end": t.end, **{k: getattr(t.shape, k) for k in t.shape.__slots__}}
-                       for t in timer.steps], f)
+            json.dump({"real": _steps_json(timer.steps), "calibration": _steps_json(calibration_steps)}, f)
 
     sims = {}
     for name, model in (("simulated", cost_model), ("self-fit", self_fit)):
@@ -132,6 +136,11 @@ def main() -> int:
                        "relative_difference": diffs, "within_tolerance": ok, "drift": drift.to_dict(),
                        "cost_model": cost_model.to_json(), "self_fit_cost_model": self_fit.to_json()}, f, indent=2)
     return 0 if ok else 1
+
+
+def _steps_json(steps: list[TimedStep]) -> list[dict[str, float]]:
+    return [{"phase": t.phase, "start": t.start, "end": t.end,
+             **{k: getattr(t.shape, k) for k in t.shape.__slots__}} for t in steps]
 
 
 def _log(message: str) -> None:

@@ -6,9 +6,10 @@ advances by a step's whole cycle, model time plus the engine loop around it, so 
 is the time from one step's start to the next one's, taken while the engine stays busy.
 
 The default plan covers the shapes a serving run produces in about a minute on SmolLM2 bf16 on
-two cores: decode batches from 1 to ``max_num_seqs`` over short and long contexts, full prefill
-budgets, one long prompt (the quadratic attention term), and Poisson streams (fast, then slow) that
-mix prefills with decodes as serving does.
+two cores: decode batches from 1 to ``max_num_seqs`` over short and long contexts (long shared
+prefixes make big batches over long contexts cheap to set up), full prefill budgets, one long
+prompt (the quadratic attention term), and Poisson streams (fast, then slow) that mix prefills
+with decodes as serving does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import logging
 import os
 import platform
 import time
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from cadence.core.engine import Engine
     from cadence.core.worker import Worker
 
-logger = logging.getLogger(__name__)
+# Random prompt ids start above the ids most vocabularies keep for special tokens.
+_FIRST_ORDINARY_ID = 100
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,13 @@ class TimedStep:
     shape: StepShape
 
 
-def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int = 0,
-                 quick: bool = False) -> list[Phase]:
+def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int = 0, quick: bool = False,
+                 vocab_size: int = 32000, prefix_caching: bool = True) -> list[Phase]:
     """Bursts of requests (all at once) of chosen shapes, then two Poisson streams.
 
-    ``quick`` is a plan of a few seconds for small models and tests: fewer, shorter requests.
+    With prefix caching, two bursts share a long prompt prefix: big decode batches over long
+    contexts (the KV reads of a loaded server) for the price of one prefill. ``quick`` is a plan
+    of a few seconds for small models and tests: fewer, shorter requests.
     """
 
     def burst(count: int, prompt: int, output: int) -> list[RequestSpec]:
@@ -67,6 +70,13 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
         return [RequestSpec(0.0, prompt, output) for _ in range(min(count, max_num_seqs))]
 
     rng = np.random.default_rng(seed)
+
+    def shared(count: int, prefix: int, output: int) -> list[RequestSpec]:
+        prefix = max(1, min(prefix, max_model_len - output - 9))
+        common = rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=prefix).tolist()
+        return [RequestSpec(0.0, prefix + 8, output, prompt_token_ids=tuple(
+                    common + rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=8).tolist()))
+                for _ in range(min(count, max_num_seqs))]
 
     def stream(count: int, rate: float) -> list[RequestSpec]:
         times = arrival_times(count, rate, rng=rng)
@@ -88,6 +98,8 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
         Phase("decode x128", burst(128, 24, 24)),
         Phase("long contexts x16", burst(16, 900, 16)),
         Phase("long prompt", burst(1, 2000, 4)),
+        *([Phase("shared context x48", shared(48, 320, 24)), Phase("shared context x128", shared(128, 640, 24))]
+          if prefix_caching else []),
         # Serving-like steps: several prefills with decodes, then one prefill at a time.
         Phase("poisson mix", stream(30, 6.0)),
         Phase("slow poisson mix", stream(24, 2.5)),
@@ -158,14 +170,22 @@ def calibrate(engine: Engine, plan: Sequence[Phase] | None = None, seed: int = 0
     """Time ``engine`` on ``plan`` (default :func:`default_plan`) and fit a cost model to it."""
     config = engine.config
     if plan is None:
-        plan = default_plan(config.scheduler.max_num_seqs, config.model.max_model_len, seed, quick)
+        plan = default_plan(config.scheduler.max_num_seqs, config.model.max_model_len, seed, quick,
+                            engine.limits.vocab_size, config.cache.enable_prefix_caching)
     started = time.perf_counter()
     steps = time_steps(engine, plan, seed, progress)
+    return fit_timed_steps(engine, steps, wall_time_s=time.perf_counter() - started)
+
+
+def fit_timed_steps(engine: Engine, steps: Sequence[TimedStep],
+                    wall_time_s: float | None = None) -> tuple[CostModel, FitQuality]:
+    """The cost model of :func:`time_steps`' timings, with where and how they were measured."""
     shapes, cycles, median_gap = cycle_samples(steps)
     metadata = _metadata(engine, len(steps), median_gap)
-    model, quality = fit_cost_model(shapes, cycles, metadata=metadata)
+    model, quality = fit_cost_model(shapes, cycles)
     metadata["fit"] = quality.to_dict()
-    metadata["calibration_wall_time_s"] = round(time.perf_counter() - started, 1)
+    if wall_time_s is not None:
+        metadata["calibration_wall_time_s"] = round(wall_time_s, 1)
     return CostModel(model.coefficients, metadata), quality
 
 
