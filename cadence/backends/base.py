@@ -42,6 +42,17 @@ class BatchLayout:
         return self.slot_mapping.shape[0]
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's K/V at their slots with torch ops; returns the caches viewed as
+    ``[num_slots, num_kv_heads, head_dim]`` for reading them back by slot."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, k)
+    flat_v.index_copy_(0, slot_mapping, v)
+    return flat_k, flat_v
+
+
 class AttentionBackend(abc.ABC):
     """One attention implementation over the paged KV cache.
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from cadence.backends.base import AttentionBackend, BatchLayout
+from cadence.backends.base import AttentionBackend, BatchLayout, store_kv
 
 # FlashAttention 2 reads a paged KV cache only in blocks of a multiple of this many tokens.
 PAGED_BLOCK_MULTIPLE = 256
@@ -123,10 +123,7 @@ class FlashAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta = cast(FlashAttnMetadata, metadata)
         block_size = k_cache.shape[1]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        flat_k, flat_v = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if block_size % PAGED_BLOCK_MULTIPLE == 0:
             keys, values, block_table = k_cache, v_cache, meta.block_table
         else:

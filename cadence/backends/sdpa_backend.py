@@ -15,7 +15,7 @@ from typing import ClassVar, cast
 import torch
 import torch.nn.functional as F
 
-from cadence.backends.base import AttentionBackend, BatchLayout
+from cadence.backends.base import AttentionBackend, BatchLayout, store_kv
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,7 @@ class SDPABackend(AttentionBackend):
     ) -> torch.Tensor:
         meta = cast(SDPAMetadata, metadata)
         block_size = k_cache.shape[1]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        flat_k, flat_v = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         slots = meta.slots(block_size)
         out = torch.empty_like(q)
         if slots.decode is not None:
