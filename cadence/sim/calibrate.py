@@ -65,18 +65,23 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
     of a few seconds for small models and tests: fewer, shorter requests.
     """
 
-    def burst(count: int, prompt: int, output: int) -> list[RequestSpec]:
-        prompt = max(1, min(prompt, max_model_len - output - 1))
-        return [RequestSpec(0.0, prompt, output) for _ in range(min(count, max_num_seqs))]
-
     rng = np.random.default_rng(seed)
 
+    # Lengths vary by up to a quarter within a burst, as they do in serving: a decode batch whose
+    # contexts differ takes the sdpa backend's masked (padded) path, as a server's batches do.
+    def spread(length: int, count: int) -> list[int]:
+        return rng.integers(max(1, length * 3 // 4), length * 5 // 4, size=count, endpoint=True).tolist()
+
+    def burst(count: int, prompt: int, output: int) -> list[RequestSpec]:
+        count = min(count, max_num_seqs)
+        return [RequestSpec(0.0, max(1, min(p, max_model_len - output - 1)), output) for p in spread(prompt, count)]
+
     def shared(count: int, prefix: int, output: int) -> list[RequestSpec]:
-        prefix = max(1, min(prefix, max_model_len - output - 9))
+        prefix = max(1, min(prefix, max_model_len - output - 1 - prefix // 4))
         common = rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=prefix).tolist()
-        return [RequestSpec(0.0, prefix + 8, output, prompt_token_ids=tuple(
-                    common + rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=8).tolist()))
-                for _ in range(min(count, max_num_seqs))]
+        suffixes = spread(prefix // 8 + 1, min(count, max_num_seqs))
+        return [RequestSpec(0.0, prefix + n, output, prompt_token_ids=tuple(
+                    common + rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=n).tolist())) for n in suffixes]
 
     def stream(count: int, rate: float) -> list[RequestSpec]:
         times = arrival_times(count, rate, rng=rng)
