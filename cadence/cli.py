@@ -36,6 +36,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device to run on")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--attention-backend", default=None, help="sdpa, triton, flash_attn (default: by device)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is sharded over")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine cores behind one server")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="how tensor-parallel workers run (default: uni for 1 rank, mp for more)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -52,6 +56,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_chunked_prefill=ns.enable_chunked_prefill,
         long_prefill_token_threshold=ns.long_prefill_token_threshold, policy=ns.policy, policy_options=options,
         device=ns.device, num_threads=ns.num_threads, attention_backend=ns.attention_backend,
+        tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
+        distributed_executor_backend=ns.distributed_executor_backend,
     )
 
 

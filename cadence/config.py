@@ -81,13 +81,38 @@ class SchedulerConfig:
                  f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How the model is split (tensor parallel ranks) and how many engine cores serve (data parallel).
+
+    ``distributed_executor_backend``: ``uni`` runs one worker in the engine core's process, ``mp``
+    starts one worker process per tensor-parallel rank, ``ray`` places the ranks as Ray actors.
+    None picks ``uni`` for one rank and ``mp`` for more.
+    """
+
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        _require(self.tensor_parallel_size == 1,
-                 "tensor_parallel_size > 1 is not supported yet; use 1")
+        _require(self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        _require(self.data_parallel_size >= 1,
+                 f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
+        _require(self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
+                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                 f"got {self.distributed_executor_backend!r}")
+        _require(not (self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1),
+                 "the uni executor runs one worker; use mp or ray for tensor_parallel_size > 1")
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from cadence.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     parse_memory,
     resolve_dtype,
@@ -37,6 +38,9 @@ class EngineArgs:
     device: str = "cpu"
     num_threads: int | None = None
     attention_backend: str | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def create_config(self) -> EngineConfig:
         """Resolve the model (converting a GGUF once), then build and validate the config tree."""
@@ -65,6 +69,9 @@ class EngineArgs:
                 policy=self.policy,
                 policy_options=dict(self.policy_options),
             ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    data_parallel_size=self.data_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
                                 attention_backend=self.attention_backend),
         )
