@@ -39,7 +39,7 @@ class PagedHarness:
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 64, seed: int = 0) -> None:
         self.model = model
         self.block_size = block_size
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        shape = SDPABackend.kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
                           for _ in range(model.num_layers)]
         self.free = list(range(1, num_blocks))  # block 0 is the null block
@@ -222,6 +222,7 @@ def test_sdpa_backend_against_naive_attention(dtype: torch.dtype, atol: float) -
     q = torch.randn(15, heads, dim, dtype=dtype)
     new_k = torch.cat([keys[c:] for (c, _), (keys, _) in zip(requests, contexts, strict=True)])
     new_v = torch.cat([values[c:] for (c, _), (_, values) in zip(requests, contexts, strict=True)])
+    k_cache, v_cache = backend.to_kv_cache_layout(k_cache), backend.to_kv_cache_layout(v_cache)
     out = backend.forward(q, new_k, new_v, k_cache, v_cache, backend.build_metadata(layout, CPU))
     start = 0
     for (cached, new), (keys, values) in zip(requests, contexts, strict=True):

@@ -4,9 +4,11 @@ A backend turns one step's batch layout (built once per step by the model runner
 metadata, then, for every layer, writes the step's new K/V into the paged cache and computes
 attention for a mixed batch of prefills (query length > 1) and decodes (query length 1).
 
-Paged cache layout, per layer: ``k_cache`` and ``v_cache`` are ``[num_blocks, block_size,
-num_kv_heads, head_dim]``; the slot of a token is ``block_id * block_size + offset``; block 0 is
-the null block that pads block tables.
+Paged cache, per layer: ``k_cache`` and ``v_cache`` hold ``num_blocks`` blocks of ``block_size``
+tokens; the slot of a token is ``block_id * block_size + offset``; block 0 is the null block that
+pads block tables. The canonical layout is ``[num_blocks, block_size, num_kv_heads, head_dim]``; a
+backend may store the same dims in another order (``kv_cache_dims``) when its kernels read that
+faster, and the worker allocates the caches in the backend's order.
 """
 
 from __future__ import annotations
@@ -61,6 +63,25 @@ class AttentionBackend(abc.ABC):
     """
 
     name: ClassVar[str]
+    # The cache tensors' dims as positions in the canonical [num_blocks, block_size, num_kv_heads, head_dim].
+    kv_cache_dims: ClassVar[tuple[int, int, int, int]] = (0, 1, 2, 3)
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's K (or V) cache in this backend's layout."""
+        canonical = (num_blocks, block_size, num_kv_heads, head_dim)
+        return tuple(canonical[d] for d in cls.kv_cache_dims)
+
+    @classmethod
+    def to_kv_cache_layout(cls, cache: torch.Tensor) -> torch.Tensor:
+        """A canonical-layout cache copied into this backend's layout."""
+        return cache.permute(cls.kv_cache_dims).contiguous()
+
+    @classmethod
+    def from_kv_cache_layout(cls, cache: torch.Tensor) -> torch.Tensor:
+        """A view of this backend's cache in the canonical layout."""
+        inverse = sorted(range(4), key=cls.kv_cache_dims.__getitem__)
+        return cache.permute(inverse)
 
     @classmethod
     def check_device(cls, device: torch.device) -> None:

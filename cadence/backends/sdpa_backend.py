@@ -1,9 +1,10 @@
 """Attention over the paged KV cache with torch's ``scaled_dot_product_attention``.
 
 The reference backend and the CPU default. Each layer writes the step's K/V into the cache, then
-runs every decode (query length 1) of the batch in one SDPA call over keys gathered through the
-block table, and each prefill (query length > 1) in its own call. Everything that does not change
-between layers (which requests decode, masks, cache slots to gather) is worked out once per step.
+runs every decode (query length 1) of the batch at once as two batched matmuls over keys gathered
+block by block through the block table, and each prefill (query length > 1) in its own SDPA call.
+Everything that does not change between layers (which requests decode, masks, cache blocks to
+gather) is worked out once per step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import ClassVar, cast
 import torch
 import torch.nn.functional as F
 
-from cadence.backends.base import AttentionBackend, BatchLayout, store_kv
+from cadence.backends.base import AttentionBackend, BatchLayout
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,13 @@ class _Prefill:
 
 
 @dataclass(frozen=True)
-class _Slots:
-    """Cache slots to gather for one block size (the layout does not carry it; the cache does)."""
+class _Gather:
+    """What to read back from the cache for one block size (the layout does not carry it; the cache does)."""
 
-    decode: torch.Tensor | None  # [Bd * max decode seq_len] int64, request-major
-    prefill: tuple[torch.Tensor | None, ...]  # [seq_len] int64 per prefill with a cached prefix
+    decode_blocks: torch.Tensor | None  # [Bd * blocks per decode] int64, request-major
+    # [1, Bd, 1, blocks per decode * block_size] fp32, -inf past each decode's context; None: no padding
+    decode_bias: torch.Tensor | None
+    prefill: tuple[torch.Tensor | None, ...]  # [seq_len] int64 slots per prefill with a cached prefix
 
 
 @dataclass(frozen=True)
@@ -46,45 +49,60 @@ class SDPAMetadata:
     block_table: torch.Tensor  # [B, max_num_blocks] int64
     decode_tokens: slice | torch.Tensor  # rows of q that decode; a slice when they are contiguous
     decode_requests: torch.Tensor  # [Bd] rows of the block table
-    decode_seq_len: int  # longest decode context (keys gathered per decode)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, decode_seq_len] bool; None when no padding
+    decode_seq_lens: torch.Tensor  # [Bd] int64
+    decode_seq_len: int  # longest decode context
     prefills: tuple[_Prefill, ...]
-    _slots: dict[int, _Slots] = field(default_factory=dict, compare=False, repr=False)
+    _gather: dict[int, _Gather] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_decodes(self) -> int:
         return self.decode_requests.shape[0]
 
-    def slots(self, block_size: int) -> _Slots:
-        """Cache slots of the decodes' and prefixed prefills' contexts, computed by the first layer."""
-        cached = self._slots.get(block_size)
+    def gather(self, block_size: int) -> _Gather:
+        """Blocks and slots of the decodes' and prefixed prefills' contexts, worked out by the first layer."""
+        cached = self._gather.get(block_size)
         if cached is None:
-            cached = self._slots[block_size] = self._compute_slots(block_size)
+            cached = self._gather[block_size] = self._compute_gather(block_size)
         return cached
 
-    def _compute_slots(self, block_size: int) -> _Slots:
-        decode = None
+    def _compute_gather(self, block_size: int) -> _Gather:
+        blocks = bias = None
         if self.num_decodes:
-            rows = self.block_table[self.decode_requests]
-            decode = _context_slots(rows, self.decode_seq_len, block_size).flatten()
+            num_blocks = -(-self.decode_seq_len // block_size)
+            blocks = self.block_table[self.decode_requests, :num_blocks].flatten()
+            bias = _padding_bias(self.decode_seq_lens, num_blocks * block_size)
         prefill = tuple(
             None if p.mask is None else _context_slots(self.block_table[p.request], p.seq_len, block_size)
             for p in self.prefills
         )
-        return _Slots(decode, prefill)
+        return _Gather(blocks, bias, prefill)
+
+
+def _padding_bias(seq_lens: torch.Tensor, width: int) -> torch.Tensor | None:
+    """Additive mask hiding key positions at or past each sequence's length; None when none are."""
+    if bool((seq_lens == width).all()):
+        return None
+    padding = torch.arange(width, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+    bias = torch.zeros(padding.shape, dtype=torch.float32, device=seq_lens.device)
+    return bias.masked_fill_(padding, float("-inf"))[None, :, None, :]
 
 
 def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Slots of positions ``0..seq_len-1`` for a block-table row ``[nb]`` or rows ``[B, nb]``."""
+    """Slots of positions ``0..seq_len-1`` for one block-table row."""
     positions = torch.arange(seq_len, device=block_table.device)
-    blocks = block_table[..., positions // block_size]
-    return blocks * block_size + positions % block_size
+    return block_table[positions // block_size] * block_size + positions % block_size
 
 
 class SDPABackend(AttentionBackend):
-    """Paged attention with torch SDPA: gathers each request's context from the cache."""
+    """Paged attention in torch ops: gathers each request's context from a head-major cache.
+
+    The cache is ``[num_kv_heads, num_blocks, block_size, head_dim]``: gathering a decode batch's
+    blocks along dim 1 yields keys already laid out ``[Hkv, Bd, S, D]`` for batched matmuls, with
+    whole 2 KiB blocks copied at a time and no transposing copy afterwards.
+    """
 
     name: ClassVar[str] = "sdpa"
+    kv_cache_dims: ClassVar[tuple[int, int, int, int]] = (2, 0, 1, 3)
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SDPAMetadata:
         query_start = layout.query_start_loc.tolist()
@@ -97,14 +115,13 @@ class SDPABackend(AttentionBackend):
             if n > 1
         )
         decode_seq_lens = [seq_lens[i] for i in decodes]
-        decode_seq_len = max(decode_seq_lens, default=0)
         return SDPAMetadata(
             slot_mapping=layout.slot_mapping.to(device=device, dtype=torch.int64),
             block_table=layout.block_table.to(device=device, dtype=torch.int64),
             decode_tokens=_rows(decodes, query_start, device),
             decode_requests=torch.tensor(decodes, dtype=torch.int64, device=device),
-            decode_seq_len=decode_seq_len,
-            decode_mask=_decode_mask(decode_seq_lens, decode_seq_len, device),
+            decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.int64, device=device),
+            decode_seq_len=max(decode_seq_lens, default=0),
             prefills=prefills,
         )
 
@@ -118,42 +135,47 @@ class SDPABackend(AttentionBackend):
         metadata: object,
     ) -> torch.Tensor:
         meta = cast(SDPAMetadata, metadata)
-        block_size = k_cache.shape[1]
-        flat_k, flat_v = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        slots = meta.slots(block_size)
+        num_kv_heads, _, block_size, head_dim = k_cache.shape
+        flat_k, flat_v = k_cache.view(num_kv_heads, -1, head_dim), v_cache.view(num_kv_heads, -1, head_dim)
+        flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        gather = meta.gather(block_size)
         out = torch.empty_like(q)
-        if slots.decode is not None:
+        if gather.decode_blocks is not None:
             rows = meta.decode_tokens
-            out[rows] = self._decode(q[rows], flat_k, flat_v, slots.decode, meta.decode_mask)
-        for prefill, context in zip(meta.prefills, slots.prefill, strict=True):
+            out[rows] = self._decode(q[rows], k_cache, v_cache, gather.decode_blocks, gather.decode_bias)
+        for prefill, context in zip(meta.prefills, gather.prefill, strict=True):
             if context is None:
-                keys, values = k[prefill.tokens], v[prefill.tokens]
+                keys, values = k[prefill.tokens].transpose(0, 1), v[prefill.tokens].transpose(0, 1)
             else:
-                keys, values = flat_k.index_select(0, context), flat_v.index_select(0, context)
+                keys, values = flat_k.index_select(1, context), flat_v.index_select(1, context)
             out[prefill.tokens] = self._prefill(q[prefill.tokens], keys, values, prefill.mask)
         return out
 
-    def _decode(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        # The query heads sharing a KV head become that head's query rows ([Bd, Hkv, G, D] against
-        # [Bd, Hkv, S, D]): one query row per head sends bf16 SDPA down a path ~6x slower on CPU,
-        # and enable_gqa is slower still. Head h reads KV head h // G, as repeat_interleave would.
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        # Two batched matmuls with an fp32 softmax between them: 2-3x faster on CPU than SDPA's
+        # flash kernel for a few query rows per head. The query heads sharing a KV head become that
+        # head's query rows ([Hkv, Bd, G, D] against [Hkv, Bd, S, D]); head h reads KV head h // G.
         num_decodes = q.shape[0]
-        grouped = q.reshape(num_decodes, self.num_kv_heads, -1, self.head_dim)
-        # index_select over flat slots copies whole rows: ~10x faster than advanced indexing on CPU.
-        shape = (num_decodes, -1, self.num_kv_heads, self.head_dim)
-        keys = flat_k.index_select(0, slots).view(shape).transpose(1, 2)
-        values = flat_v.index_select(0, slots).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scale)
-        return out.view(num_decodes, self.num_heads, self.head_dim)
+        num_kv_heads, num_blocks, _, head_dim = k_cache.shape
+        shape = (num_kv_heads, num_decodes, -1, head_dim)
+        keys = k_cache.view(num_kv_heads, num_blocks, -1).index_select(1, blocks).view(shape)
+        values = v_cache.view(num_kv_heads, num_blocks, -1).index_select(1, blocks).view(shape)
+        grouped = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float().mul_(self.scale)
+        if bias is not None:
+            scores += bias
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values)
+        return out.transpose(0, 1).reshape(num_decodes, self.num_heads, head_dim)
 
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
         # [1, H, L, D] against [1, Hkv, S, D]; without a mask L == S and causal is top-left aligned
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=self.scale,
-            enable_gqa=True,
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=True,
         )
         return out.squeeze(0).transpose(0, 1)
 
@@ -164,13 +186,6 @@ def _rows(requests: list[int], query_start: list[int], device: torch.device) -> 
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
     return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
-def _decode_mask(seq_lens: list[int], max_len: int, device: torch.device) -> torch.Tensor | None:
-    if all(n == max_len for n in seq_lens):
-        return None
-    lens = torch.tensor(seq_lens, device=device)
-    return (torch.arange(max_len, device=device) < lens[:, None])[:, None, None, :]
 
 
 def _prefill(start: int, query_len: int, request: int, seq_len: int, device: torch.device) -> _Prefill:

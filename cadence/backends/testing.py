@@ -100,11 +100,12 @@ def random_paged_batch(
 
 
 def run_backend(backend: AttentionBackend, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(output, k_cache, v_cache)`` after one forward of ``backend`` on copies of the caches."""
-    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    """``(output, k_cache, v_cache)`` after one forward of ``backend`` on copies of the caches
+    (handed to it in its own layout, returned in the canonical one)."""
+    k_cache, v_cache = backend.to_kv_cache_layout(batch.k_cache), backend.to_kv_cache_layout(batch.v_cache)
     metadata = backend.build_metadata(batch.layout, batch.q.device)
     out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, metadata)
-    return out, k_cache, v_cache
+    return out, backend.from_kv_cache_layout(k_cache), backend.from_kv_cache_layout(v_cache)
 
 
 def sdpa_reference(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

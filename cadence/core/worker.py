@@ -32,7 +32,7 @@ class Worker:
         model = load_model(config.model.path, hf_config, dtype, device, backend_cls)
         num_kv_heads = hf_config.num_key_value_heads
         self.num_blocks = num_kv_blocks(config.cache, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype)
-        shape = (self.num_blocks, config.cache.block_size, num_kv_heads, head_dim)
+        shape = backend_cls.kv_cache_shape(self.num_blocks, config.cache.block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padded reads of unwritten slots are masked, and 0 * NaN would not be.
         kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                      for _ in range(hf_config.num_hidden_layers)]
