@@ -201,7 +201,8 @@ def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str]
     return requests, texts
 
 
-def run(ns: argparse.Namespace) -> int:
+def measure(ns: argparse.Namespace) -> tuple[str, BenchmarkMetrics]:
+    """Run the load ``ns`` describes against ``ns.base_url``; returns the model name sent and the figures."""
     slos = parse_goodput(ns.goodput)
     percentiles = [float(p) for p in ns.metric_percentiles.split(",") if p.strip()]
     requests, prompts = build_prompts(ns)
@@ -211,12 +212,16 @@ def run(ns: argparse.Namespace) -> int:
     records, start, end = asyncio.run(run_load(
         target, requests, prompts, request_rate=ns.request_rate, burstiness=ns.burstiness,
         max_concurrency=ns.max_concurrency, seed=ns.seed, show_progress=not ns.disable_tqdm))
-    metrics = compute_metrics(records, start_time=start, end_time=end, goodput_slos_ms=slos,
-                              percentiles=percentiles)
+    return model, compute_metrics(records, start_time=start, end_time=end, goodput_slos_ms=slos,
+                                  percentiles=percentiles)
+
+
+def run(ns: argparse.Namespace) -> int:
+    model, metrics = measure(ns)
     print(format_report(metrics))
     if ns.output_json:
         with open(ns.output_json, "w") as f:
-            json.dump({"base_url": base_url, "endpoint": ns.endpoint, "model": model,
+            json.dump({"base_url": ns.base_url, "endpoint": ns.endpoint, "model": model,
                        "num_prompts": ns.num_prompts, "request_rate": ns.request_rate,
                        "max_concurrency": ns.max_concurrency, **metrics.to_dict()}, f, indent=2)
     return 0 if metrics.completed else 1
