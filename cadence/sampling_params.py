@@ -2,10 +2,62 @@
 
 from __future__ import annotations
 
+import json as _json
+from typing import Any
+
 import msgspec
 
 # Sampler treats these as "off"; named so the checks below read as intent.
 _GREEDY_EPS = 1e-5
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """A constraint the output must match, named as vLLM names it: set exactly one field.
+
+    ``json`` is a JSON schema (text or parsed), ``regex`` a regular expression the whole output
+    matches, ``choice`` the strings the output may be, ``grammar`` an EBNF grammar (xgrammar's
+    dialect, llama.cpp's GBNF), and ``json_object`` any JSON object or array (OpenAI's JSON mode).
+    Construction checks the shape; whether a schema, regex or grammar compiles is checked by
+    :func:`cadence.core.structured_output.check_constraint` when the request is validated.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs takes exactly one of json, regex, choice, grammar or "
+                                f"json_object, got {', '.join(given) or 'none'}")
+        _check(self.choice is None or len(self.choice) > 0, "structured_outputs.choice must list at least one option")
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, spec)``: equal for constraints that compile to the same grammar.
+
+        A schema's key is its compact JSON (key order kept: it fixes the order of the output's
+        properties), so schemas that differ only in whitespace share one compiled grammar.
+        """
+        if self.json is not None:
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return "json", _json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice, ensure_ascii=False)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -33,6 +85,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -13,9 +13,10 @@ import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from cadence.api.errors import APIError, bad_request, from_validation_error, from_value_error
-from cadence.api.protocol import ChatMessage, CompletionRequest, SamplingFields
+from cadence.api.protocol import ChatMessage, CompletionRequest, ResponseFormat, SamplingFields
 from cadence.core.request_manager import ModelLimits
-from cadence.sampling_params import SamplingParams
+from cadence.core.structured_output import check_constraint
+from cadence.sampling_params import SamplingParams, StructuredOutputsParams
 
 _PARAM_FIELDS = frozenset(SamplingParams.__struct_fields__)
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -51,6 +52,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         return default if value is None else value
 
     stop = req.stop
+    constraint = structured_outputs(req)
     try:
         return SamplingParams(
             n=pick(req.n, 1),
@@ -71,9 +73,43 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs,
+            structured_outputs=constraint,
         )
     except ValueError as exc:
         raise from_value_error(exc, _PARAM_FIELDS) from None
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from ``response_format`` or ``structured_outputs``, checked.
+
+    :raises APIError: 400 naming the field, for both fields at once, a ``json_schema`` format without
+        a schema, or a constraint that does not compile (invalid JSON schema, regex or grammar).
+    """
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        constraint = req.structured_outputs
+        if constraint is None:
+            return None
+        param = f"structured_outputs.{constraint.key[0]}"
+    elif req.structured_outputs is not None:
+        raise bad_request("give response_format or structured_outputs, not both", param="structured_outputs")
+    else:
+        constraint, param = _response_format_constraint(fmt)
+    try:
+        check_constraint(constraint)
+    except ValueError as exc:
+        raise bad_request(f"{param}: {exc}", param=param) from None
+    return constraint
+
+
+def _response_format_constraint(fmt: ResponseFormat) -> tuple[StructuredOutputsParams, str]:
+    """The constraint of a JSON ``response_format``, and the field that holds it."""
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise bad_request("response_format of type json_schema needs json_schema.schema",
+                          param="response_format.json_schema.schema")
+    return StructuredOutputsParams(json=fmt.json_schema.schema), "response_format.json_schema.schema"
 
 
 def check_stream_options(req: SamplingFields) -> bool:

@@ -2,7 +2,8 @@
 responses (encoded as OpenAI's published spec has them).
 
 Request fields keep OpenAI's names and ranges, plus vLLM's extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority`` ...). Most
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``,
+``structured_outputs`` ...). Most
 are nullable, as in the spec: a client may send ``null`` for "the default". Unknown fields are
 ignored, as vLLM does.
 
@@ -12,10 +13,12 @@ optional field without a value is omitted (``msgspec.UNSET``), never sent as ``n
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
+
+from cadence.sampling_params import StructuredOutputsParams
 
 # ---- requests ------------------------------------------------------------------------------
 
@@ -35,6 +38,20 @@ class StreamOptions(Struct, kw_only=True):
     include_obfuscation: bool | None = None  # accepted; cadence never obfuscates
 
 
+class JSONSchemaFormat(Struct, kw_only=True):
+    name: str | None = None  # OpenAI requires a name; nothing here uses it
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted: the schema is always enforced
+
+
+class ResponseFormat(Struct, kw_only=True):
+    """OpenAI's ``response_format``: plain text, any JSON object (JSON mode), or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingFields(Struct, kw_only=True):
     """Fields both generation endpoints share."""
 
@@ -51,6 +68,7 @@ class SamplingFields(Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: Probability | None = None
@@ -61,6 +79,7 @@ class SamplingFields(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

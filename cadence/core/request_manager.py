@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from cadence.core.actor import UNBOUNDED, Actor, EngineDeadError, Mailbox
 from cadence.core.detokenizer_actor import DetokenizerActor
+from cadence.core.structured_output import check_constraint
 from cadence.messages import (
     AbortRequests,
     CompletionOutput,
@@ -60,6 +61,8 @@ def validate_request(limits: ModelLimits, prompt_token_ids: list[int], params: S
     if any(not isinstance(t, int) or not 0 <= t < limits.vocab_size for t in prompt_token_ids):
         raise ValueError(f"prompt token ids must be integers in [0, {limits.vocab_size})")
     params.validate_against(limits.vocab_size)
+    if params.structured_outputs is not None:
+        check_constraint(params.structured_outputs)
     max_tokens = params.max_tokens or limits.max_model_len
     needed = min(num + max_tokens, limits.max_model_len)
     if needed > limits.kv_capacity_tokens:

@@ -6,6 +6,10 @@ temperature, min-p, top-k and top-p and are drawn by an exponential race (argmax
 E ~ Exponential(1)). Every stage is a batched tensor op that runs only when some row needs it;
 per-row Python work is limited to rows that ask for something uncommon (seeds, min-tokens,
 penalties, logit bias).
+
+Structured output comes first, before the sampler: the model runner masks the constrained rows'
+logits with :func:`apply_grammar_bitmask`, so raw logprobs describe the constrained distribution
+(as in vLLM V1).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from itertools import chain
 
 import torch
 
-from cadence.messages import TokenLogprobs
+from cadence.messages import GrammarBitmask, TokenLogprobs
 from cadence.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -178,6 +182,24 @@ class Sampler:
         if self._plan is None or not self._plan.matches(rows, vocab_size, device):
             self._plan = _build_plan(rows, vocab_size, device)
         return self._plan
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, row_ids: Sequence[str], grammar: GrammarBitmask) -> None:
+    """Set to -inf, in place, each constrained row's tokens that its grammar forbids.
+
+    ``logits[i]`` belongs to request ``row_ids[i]``; every request of ``grammar`` must be among them.
+    """
+    import xgrammar  # present whenever a bitmask is: the scheduler made it with xgrammar
+
+    index = {request_id: i for i, request_id in enumerate(row_ids)}
+    rows = [index[request_id] for request_id in grammar.request_ids]
+    bitmask = grammar.bitmask.to(logits.device, non_blocking=True)
+    if rows != list(range(logits.shape[0])):
+        # xgrammar's indices select rows of the logits and of the bitmask alike: align the bitmask.
+        aligned = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=bitmask.dtype, device=logits.device)
+        aligned[rows] = bitmask
+        bitmask = aligned
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 def _check_shape(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -8,25 +8,34 @@ in the policy's order until one cannot be (head of line). Preemption is by recom
 a waiting request outranks a running one and seats or blocks ran out (``preempt_for``). A step that
 preempted for a running request admits only requests of the second kind. The scheduler owns the
 KV allocator and calls it synchronously (see DESIGN.md, "Processes and actors").
+
+Structured output: a constrained request is admitted once its grammar has compiled (others are
+admitted past it meanwhile); each step carries the token bitmask of the constrained requests that
+sample, and each accepted token advances the request's matcher (see ``structured_output.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cadence.config import SchedulerConfig
 from cadence.core.kv_allocator import KVAllocator
+from cadence.core.structured_output import StructuredOutputManager
 from cadence.messages import (
     CachedRequestData,
     EngineCoreOutput,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from cadence.policies.base import SchedulingPolicy
 from cadence.request import Request, RequestStatus, RequestView
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,10 +59,13 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: KVAllocator, policy: SchedulingPolicy) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: KVAllocator, policy: SchedulingPolicy,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.policy = policy
+        # None where requests never carry constraints (the simulator).
+        self.structured_output = structured_output
         self.requests: dict[str, Request] = {}
         # Arrival order; preempted requests go back to the front.
         self.waiting: deque[Request] = deque()
@@ -78,6 +90,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_output is None:
+                raise ValueError("this scheduler has no structured-output manager for a constrained request")
+            self.structured_output.add_request(request.request_id, constraint)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.policy.on_arrival(request)
@@ -101,10 +118,67 @@ class Scheduler:
             self.waiting.remove(request)
         self.allocator.free(request.request_id)
         del self.requests[request.request_id]
+        if self.structured_output is not None:
+            self.structured_output.remove(request.request_id)
         if request.request_id in self._on_worker:
             self._on_worker.discard(request.request_id)
             self._finished_since_last_step.append(request.request_id)
         self.policy.on_finished(request)
+
+    # ---- grammars ----------------------------------------------------------------------------
+
+    @property
+    def waiting_for_grammars(self) -> bool:
+        """Nothing can be scheduled until a grammar compiles: no request runs, and every waiting
+        one is a constrained request whose grammar is still compiling."""
+        grammars = self.structured_output
+        if grammars is None or not grammars.num_compiling or self.running or not self.waiting:
+            return False
+        return all(grammars.is_compiling(request.request_id) for request in self.waiting)
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block until a pending compile finishes or ``timeout_s`` passes (run it in a thread)."""
+        if self.structured_output is not None:
+            self.structured_output.wait(timeout_s)
+
+    def finish_failed_grammars(self) -> list[EngineCoreOutput]:
+        """Finish, as errors, the requests whose grammar failed to compile; their outputs."""
+        grammars = self.structured_output
+        if grammars is None or not grammars.num_compiling:
+            return []
+        outputs = []
+        for request_id, error in grammars.take_failures().items():
+            logger.error("request %s: %s", request_id, error)
+            self._finish(self.requests[request_id], RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.finish_reason))
+        return outputs
+
+    def _grammar_ready(self, request: Request) -> bool:
+        return self.structured_output is None or self.structured_output.is_ready(request.request_id)
+
+    def _grammar_bitmask(self, scheduled: dict[str, int]) -> GrammarBitmask | None:
+        """The bitmask of the constrained requests that sample this step (their last token is in it)."""
+        grammars = self.structured_output
+        if grammars is None or not grammars.num_active:
+            return None
+        request_ids = [
+            request_id for request_id in scheduled
+            if grammars.is_constrained(request_id)
+            and self.requests[request_id].num_computed_tokens == self.requests[request_id].num_tokens
+        ]
+        return grammars.grammar_bitmask(request_ids) if request_ids else None
+
+    def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Feed an accepted token to the request's matcher: stopped once the grammar is complete,
+        an error if the grammar refuses the token (it can when min_tokens masks the only allowed
+        token, the stop token)."""
+        grammars = self.structured_output
+        if grammars is None or not grammars.is_constrained(request.request_id):
+            return None
+        if not grammars.accept_token(request.request_id, token_id):
+            logger.error("request %s: token %d does not match its grammar", request.request_id, token_id)
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if grammars.is_terminated(request.request_id) else None
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -159,6 +233,8 @@ class Scheduler:
             position += 1
             if request is None or request.status == RequestStatus.RUNNING:
                 continue  # not waiting: a policy's mistake, not a reason to stop
+            if not self._grammar_ready(request):
+                continue  # still compiling: those behind it go first
             if step.budget == 0 or request.request_id in preempted_now:
                 break
             if step.preempted_for_running and self.policy.preempt_for(request, self.running) is None:
@@ -263,6 +339,7 @@ class Scheduler:
             num_scheduled_tokens=dict(step.scheduled),
             finished_request_ids=self._finished_since_last_step,
             preempted_request_ids=preempted_ids,
+            grammar_bitmask=self._grammar_bitmask(step.scheduled),
         )
         self._finished_since_last_step = []
         return output
@@ -279,7 +356,10 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             request.append_output_token(token_id)
-            stop = request.check_stop()
+            # The grammar's verdict first: a complete constrained output is a stop, even at max_tokens.
+            stop = self._advance_grammar(request, token_id)
+            if stop is None:
+                stop = request.check_stop()
             if stop is not None:
                 self._finish(request, stop)
             outputs.append(EngineCoreOutput(

@@ -1,0 +1,211 @@
+"""Structured output: constraints become xgrammar grammars, and each constrained request a matcher.
+
+- Front end: :func:`check_constraint` builds the constraint's grammar without a tokenizer, so a bad
+  schema, regex or grammar is rejected (a 400) before anything is admitted.
+- Engine core: :class:`StructuredOutputManager` compiles grammars against the model's vocabulary
+  in a worker thread, off the engine loop, with a cache keyed by the constraint; it keeps one
+  matcher per request, builds each step's token bitmask for the constrained rows that sample, and
+  advances matchers with the tokens the scheduler accepts.
+- Worker: :func:`cadence.core.sampler.apply_grammar_bitmask` masks those rows' logits.
+
+xgrammar (``cadence[structured]``) is imported on the first constrained request only: an engine
+that never sees one pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from cadence.messages import GrammarBitmask
+from cadence.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+ConstraintKey = tuple[str, str]  # StructuredOutputsParams.key: (kind, canonical spec)
+
+# Whitespace is free between JSON tokens, up to this many characters per gap: enough for
+# pretty-printed output, and small models cannot fill max_tokens with newlines (they did, unbounded).
+JSON_MAX_WHITESPACE = 16
+
+_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+         "json_object": "JSON grammar"}
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError("structured output needs xgrammar: pip install 'cadence[structured]'") from None
+    return xgrammar
+
+
+def build_grammar(key: ConstraintKey) -> xgrammar.Grammar:
+    """The tokenizer-free grammar of a constraint. :raises RuntimeError: xgrammar rejects it."""
+    kind, spec = key
+    xgr = _xgrammar()
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(spec, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec)
+    if kind == "choice":
+        # JSON string literals are EBNF string literals (same quotes and escapes).
+        options = json.loads(spec)
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(spec)
+    return xgr.Grammar.builtin_json_grammar()
+
+
+def check_constraint(constraint: StructuredOutputsParams) -> None:
+    """Check that a constraint compiles; cached, so the API's check and the engine's cost one.
+
+    :raises ValueError: naming the problem ("invalid JSON schema: ..."), or when xgrammar is not
+        installed.
+    """
+    _check_key(constraint.key)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_key(key: ConstraintKey) -> None:
+    kind, spec = key
+    if kind == "json":
+        _check_json_schema(json.loads(spec))
+    try:
+        build_grammar(key)
+    except RuntimeError as exc:
+        message = _XGRAMMAR_PREFIX.sub("", str(exc)).strip()
+        raise ValueError(f"invalid {_WHAT[kind]}: {message}") from None
+
+
+def _check_json_schema(schema: Any) -> None:
+    # jsonschema catches what xgrammar would silently ignore (a misspelt "required": "name", a
+    # negative maxLength ...), against the schema's own draft (2020-12 unless "$schema" says).
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise ValueError(f"invalid JSON schema: a schema must be a JSON object, got {json.dumps(schema)}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"invalid JSON schema: {exc.message} (at {exc.json_path})") from None
+
+
+class StructuredOutputManager:
+    """The engine core's grammars and matchers.
+
+    A constrained request is registered on arrival (:meth:`add_request`), which starts its compile
+    in the background; the scheduler admits it only once :meth:`is_ready` says its matcher exists.
+    Matchers advance with every accepted token and are never rolled back: the scheduler never
+    discards an output token (a preempted request keeps its outputs and recomputes them).
+    """
+
+    def __init__(self, load_tokenizer: Callable[[], PreTrainedTokenizerBase], vocab_size: int,
+                 cache_size: int = 256) -> None:
+        """``vocab_size`` is the width of the model's logits (it may exceed the tokenizer's)."""
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self._cache_size = cache_size
+        # One thread: compiles are milliseconds, and it makes the lazy compiler set-up race-free.
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._grammars: OrderedDict[ConstraintKey, concurrent.futures.Future[xgrammar.CompiledGrammar]] = (
+            OrderedDict())
+        self._compiling: dict[str, concurrent.futures.Future[xgrammar.CompiledGrammar]] = {}
+        self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests whose grammar is not compiled yet (or failed and not yet taken)."""
+        return len(self._compiling)
+
+    @property
+    def num_active(self) -> int:
+        """Requests with a matcher."""
+        return len(self._matchers)
+
+    def add_request(self, request_id: str, constraint: StructuredOutputsParams) -> None:
+        """Start compiling the request's grammar (or share a cached or in-flight compile)."""
+        key = constraint.key
+        future = self._grammars.get(key)
+        if future is None:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cadence-grammar")
+            future = self._grammars[key] = self._pool.submit(self._compile, key)
+            if len(self._grammars) > self._cache_size:
+                self._grammars.popitem(last=False)
+        else:
+            self._grammars.move_to_end(key)
+        self._compiling[request_id] = future
+
+    def is_ready(self, request_id: str) -> bool:
+        """Whether the request may be scheduled: unconstrained, or its matcher exists (made here
+        once its compile has finished). False while compiling, and after a failed compile."""
+        future = self._compiling.get(request_id)
+        if future is None:
+            return True
+        if not future.done() or future.exception() is not None:
+            return False
+        self._matchers[request_id] = _xgrammar().GrammarMatcher(future.result())
+        del self._compiling[request_id]
+        return True
+
+    def is_compiling(self, request_id: str) -> bool:
+        """Whether the request's grammar is still being compiled."""
+        future = self._compiling.get(request_id)
+        return future is not None and not future.done()
+
+    def take_failures(self) -> dict[str, str]:
+        """Requests whose grammar failed to compile, with the error; they are forgotten here."""
+        failed = {rid: f for rid, f in self._compiling.items() if f.done() and f.exception() is not None}
+        for request_id in failed:
+            del self._compiling[request_id]
+        return {rid: f"the grammar failed to compile: {f.exception()}" for rid, f in failed.items()}
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some pending compile finishes, or ``timeout_s`` passes (call from a thread)."""
+        concurrent.futures.wait(set(self._compiling.values()), timeout_s,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def remove(self, request_id: str) -> None:
+        """Forget a finished request (its compile, if still running, stays cached for others)."""
+        self._compiling.pop(request_id, None)
+        self._matchers.pop(request_id, None)
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def grammar_bitmask(self, request_ids: list[str]) -> GrammarBitmask:
+        """The next-token bitmask of these requests (all with a matcher), one row each, in order."""
+        xgr = _xgrammar()
+        bitmask: torch.Tensor = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
+        for row, request_id in enumerate(request_ids):
+            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+        return GrammarBitmask(request_ids=request_ids, bitmask=bitmask)
+
+    def accept_token(self, request_id: str, token_id: int) -> bool:
+        """Advance the request's matcher; False if the grammar does not allow the token."""
+        return bool(self._matchers[request_id].accept_token(token_id))
+
+    def is_terminated(self, request_id: str) -> bool:
+        """Whether the request's grammar is complete and its stop token accepted."""
+        return bool(self._matchers[request_id].is_terminated())
+
+    def _compile(self, key: ConstraintKey) -> xgrammar.CompiledGrammar:
+        if self._compiler is None:
+            xgr = _xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
+            # Our cache (by constraint) is the one that counts; xgrammar's would hold a second copy.
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        return self._compiler.compile_grammar(build_grammar(key))
