@@ -7,13 +7,13 @@ messages between them are started by :meth:`Engine.running` for as long as a cal
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from cadence.config import EngineConfig
@@ -24,7 +24,10 @@ from cadence.core.executor import ExecutorActor
 from cadence.core.kv_allocator import KVAllocator
 from cadence.core.request_manager import ModelLimits, RequestManager
 from cadence.core.scheduler import Scheduler
+from cadence.core.structured_output import StructuredOutputManager
 from cadence.core.worker import Worker
+from cadence.executor import Executor, create_executor
+from cadence.executor.base import UniExecutor
 from cadence.models.loader import load_hf_config, load_tokenizer
 from cadence.policies.base import PolicyContext
 from cadence.policies.loader import load_policy
@@ -34,11 +37,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineCore:
-    """The engine-core side: model worker, KV allocator and scheduler (one process's worth)."""
+    """The engine-core side: executor (and through it the workers), KV allocator and scheduler."""
 
     config: EngineConfig
     hf_config: PretrainedConfig
-    worker: Worker
+    executor: Executor
     allocator: KVAllocator
     scheduler: Scheduler
 
@@ -50,21 +53,26 @@ class EngineCore:
             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             long_prefill_token_threshold=sched.long_prefill_token_threshold), sched.policy_options)
-        torch.manual_seed(config.model.seed)
         hf_config = load_hf_config(config.model.path)
-        worker = Worker(config, hf_config)
-        allocator = KVAllocator(worker.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        return cls(config, hf_config, worker, allocator, Scheduler(sched, allocator, policy))
+        executor = create_executor(config, hf_config)
+        allocator = KVAllocator(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        # Loads the tokenizer and xgrammar only when the first constrained request arrives.
+        grammars = StructuredOutputManager(functools.partial(load_tokenizer, config.model.path), hf_config.vocab_size)
+        return cls(config, hf_config, executor, allocator, Scheduler(sched, allocator, policy, grammars))
 
     def actors(self, outputs_to: Mailbox[Any]) -> tuple[EngineCoreActor, ExecutorActor]:
         """Fresh engine-core and executor actors over these components."""
         core = EngineCoreActor(self.scheduler, self.config.model.max_model_len)
-        executor = ExecutorActor(self.worker, core)
+        executor = ExecutorActor(self.executor, core)
         core.connect(executor, outputs_to)
         return core, executor
 
     def abort_all(self) -> None:
         self.scheduler.abort_requests(list(self.scheduler.requests))
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes or actors, under the mp and ray executors)."""
+        self.executor.shutdown()
 
 
 def model_limits(config: EngineConfig, hf_config: PretrainedConfig, num_blocks: int,
@@ -84,7 +92,7 @@ class Engine:
         self.config = config
         self.core = EngineCore.build(config)
         self.tokenizer = load_tokenizer(config.model.path)
-        self.limits = model_limits(config, self.core.hf_config, self.core.worker.num_blocks, self.tokenizer)
+        self.limits = model_limits(config, self.core.hf_config, self.core.executor.num_blocks, self.tokenizer)
         self.dead: str | None = None
 
     @property
@@ -97,7 +105,18 @@ class Engine:
 
     @property
     def worker(self) -> Worker:
-        return self.core.worker
+        """The in-process worker of the uni executor.
+
+        :raises RuntimeError: the workers run in other processes (mp or ray executor).
+        """
+        if not isinstance(self.core.executor, UniExecutor):
+            raise RuntimeError(f"the {self.config.parallel.executor_backend} executor's workers run in other "
+                               "processes; only the uni executor has an in-process worker")
+        return self.core.executor.worker
+
+    def shutdown(self) -> None:
+        """Stop the workers; the engine cannot run afterwards."""
+        self.core.shutdown()
 
     @contextlib.asynccontextmanager
     async def running(self, on_crash: Callable[[str], None] | None = None) -> AsyncIterator[RequestManager]:

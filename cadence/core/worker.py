@@ -1,16 +1,25 @@
-"""The worker: sets up the device and threads, loads the model, sizes and allocates the KV cache."""
+"""The worker: sets up the device and threads, loads the model, sizes and allocates the KV cache.
+
+Under tensor parallelism there is one worker per rank, each holding its shard of the model and a
+KV cache for its own KV heads.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+from collections.abc import Sequence
 
 import torch
 from transformers import PretrainedConfig
 
 from cadence.backends.registry import load_backend
-from cadence.config import CacheConfig, EngineConfig
+from cadence.config import CacheConfig, DeviceConfig, EngineConfig
 from cadence.core.model_runner import ModelRunner
+from cadence.core.sampler import Sampler, SamplerOutput, SamplingRow
+from cadence.distributed.group import SINGLE_RANK, ParallelGroup
+from cadence.distributed.partition import head_shard
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.models.llama import head_dim_of
 from cadence.models.loader import load_model
@@ -21,28 +30,78 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig) -> None:
-        device = config.device.torch_device
-        if config.device.num_threads is not None:
-            torch.set_num_threads(config.device.num_threads)
+    """One rank's model, KV cache and model runner (the only rank under the uni executor).
+
+    ``local_rank`` picks the CUDA device on a machine with several (mp: the rank; Ray gives each
+    actor one visible GPU, so 0).
+    """
+
+    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, group: ParallelGroup = SINGLE_RANK,
+                 local_rank: int = 0) -> None:
+        device = _rank_device(config.device.torch_device, group, local_rank)
+        _set_threads(config.device, group.world_size)
+        # Unseeded sampling draws from the global generator (on rank 0, wherever that runs).
+        torch.manual_seed(config.model.seed)
         dtype = config.model.torch_dtype
         head_dim = head_dim_of(hf_config)
         backend_cls = load_backend(config.device.attention_backend, device, dtype, head_dim,
                                    config.cache.block_size)
-        model = load_model(config.model.path, hf_config, dtype, device, backend_cls)
-        num_kv_heads = hf_config.num_key_value_heads
-        self.num_blocks = num_kv_blocks(config.cache, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+        model = load_model(config.model.path, hf_config, dtype, device, backend_cls, group)
+        num_kv_heads = model.num_kv_heads  # this rank's
+        # Every rank sizes its pool for rank 0's KV heads (no rank holds more), so all ranks agree on
+        # the block count the allocator hands out.
+        most_kv_heads = head_shard(hf_config.num_attention_heads, hf_config.num_key_value_heads, 0,
+                                   group.world_size).kv.size
+        self.num_blocks = num_kv_blocks(config.cache, hf_config.num_hidden_layers, most_kv_heads, head_dim, dtype)
         shape = backend_cls.kv_cache_shape(self.num_blocks, config.cache.block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padded reads of unwritten slots are masked, and 0 * NaN would not be.
         kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                      for _ in range(hf_config.num_hidden_layers)]
-        backend = backend_cls(hf_config.num_attention_heads, num_kv_heads, head_dim, head_dim ** -0.5)
-        self.runner = ModelRunner(model, backend, kv_caches, config.cache.block_size, device)
-        logger.info("KV cache: %d blocks of %d tokens (%s backend, %s)", self.num_blocks,
-                    config.cache.block_size, backend_cls.name, dtype)
+        sampler = BroadcastSampler(group) if group.world_size > 1 else None
+        self.runner = ModelRunner(model, model.attn_backend, kv_caches, config.cache.block_size, device, sampler)
+        logger.info("KV cache: %d blocks of %d tokens (%s backend, %s, rank %d of %d)", self.num_blocks,
+                    config.cache.block_size, backend_cls.name, dtype, group.rank, group.world_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+class BroadcastSampler(Sampler):
+    """Rank 0 samples and broadcasts its tokens; the other ranks take them.
+
+    Every rank appends the same tokens to its persistent batch, and no rank's randomness (seeded or
+    not) can make it diverge. Only rank 0's output, with its logprobs, leaves the worker.
+    """
+
+    def __init__(self, group: ParallelGroup) -> None:
+        super().__init__()
+        self.group = group
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if self.group.is_driver:
+            out = super().__call__(logits, rows)
+            self.group.broadcast(torch.tensor(out.token_ids, dtype=torch.long, device=logits.device))
+            return out
+        tokens = self.group.broadcast(torch.empty(len(rows), dtype=torch.long, device=logits.device))
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=None)
+
+
+def _rank_device(device: torch.device, group: ParallelGroup, local_rank: int) -> torch.device:
+    if device.type != "cuda" or group.world_size == 1:
+        return device
+    rank_device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(rank_device)
+    return rank_device
+
+
+def _set_threads(device: DeviceConfig, world_size: int) -> None:
+    """Ranks on one machine split its cores unless told otherwise: two processes that each use
+    every core run several times slower than one."""
+    threads = device.num_threads
+    if threads is None and world_size > 1:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def num_kv_blocks(cache: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -4,22 +4,34 @@ Numerics follow Hugging Face transformers op for op (RMSNorm in fp32 then cast b
 computed in fp32 then cast, SDPA scale ``head_dim ** -0.5``) so that greedy decoding matches it
 token for token in fp32. Two things differ in layout only: q/k/v are one fused linear and
 gate/up another, so each layer runs two GEMMs fewer.
+
+Under tensor parallelism (a :class:`~cadence.distributed.ParallelGroup` of more than one rank) each
+rank builds only its shard: its attention heads and MLP columns (column-parallel q/k/v and gate/up,
+row-parallel o and down with an all-reduce) and its vocabulary rows (embedding and LM head).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cadence.backends.base import AttentionBackend
+from cadence.distributed.group import SINGLE_RANK, ParallelGroup
+from cadence.distributed.layers import (
+    CheckpointTensor,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardedLayer,
+    VocabParallelEmbedding,
+    load_parameter,
+)
+from cadence.distributed.partition import even_split, head_shard
 
 # RoPE types whose frequencies change with the sequence length inside a forward pass; a table
 # precomputed once cannot follow them. ("dynamic" only rescales past max_position_embeddings,
@@ -116,32 +128,25 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-            device: torch.device | str) -> nn.Linear:
-    # Uninitialised: load_weights overwrites every parameter (and checks that it did).
-    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype,
-                                    device=device)
-
-
 class Attention(nn.Module):
-    fused_name: ClassVar[str] = "qkv_proj"
+    """This rank's attention heads (all of them at world size 1)."""
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool, o_bias: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 group: ParallelGroup, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        heads = head_shard(config.num_attention_heads, config.num_key_value_heads, group.rank, group.world_size)
+        self.num_heads = heads.q.size
+        self.num_kv_heads = heads.kv.size
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.shard_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = _linear(config.hidden_size, q_size + 2 * kv_size, qkv_bias, dtype, device)
-        self.o_proj = _linear(q_size, config.hidden_size, o_bias, dtype, device)
+        q, kv = heads.q.scaled(self.head_dim), heads.kv.scaled(self.head_dim)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], qkv_bias, dtype, device)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, o_bias, group, dtype, device)
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: object) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
         q = _apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = _apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -150,27 +155,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fused_name: ClassVar[str] = "gate_up_proj"
+    """This rank's columns of the intermediate layer (all of them at world size 1)."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: PretrainedConfig, group: ParallelGroup, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.shard_sizes = [config.intermediate_size] * 2
-        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype, device)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, bias, dtype, device)
+        columns = even_split(config.intermediate_size, group.rank, group.world_size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [columns, columns], bias, dtype, device)
+        self.down_proj = RowParallelLinear(columns, config.hidden_size, bias, group, dtype, device)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.shard_sizes, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.out_sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, attention: Attention, dtype: torch.dtype,
+    def __init__(self, config: PretrainedConfig, attention: Attention, mlp: MLP, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         super().__init__()
         self.self_attn = attention
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -181,11 +187,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, layers: list[DecoderLayer], dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+    def __init__(self, config: PretrainedConfig, layers: list[DecoderLayer], group: ParallelGroup,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, config.vocab_size, config.hidden_size,
-                                                     dtype=dtype, device=device)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group, dtype, device)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -196,34 +201,36 @@ class LlamaForCausalLM(nn.Module):
     Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``;
     :meth:`load_weights` takes Hugging Face names. Parameters are uninitialised until then. Models
     with a sliding window (see :func:`sliding_window_of`) are exact only up to that many tokens:
-    the backends attend over the whole context, so cap ``max_model_len`` at the window.
+    the backends attend over the whole context, so cap ``max_model_len`` at the window. ``group``
+    says which tensor-parallel shard this instance holds; head counts are this rank's.
     """
 
     # (bias on q/k/v, bias on o); Llama reads both from config.attention_bias.
     fixed_biases: ClassVar[tuple[bool, bool] | None] = None
 
     def __init__(self, hf_config: PretrainedConfig, backend_cls: type[AttentionBackend], dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", group: ParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
         self.head_dim = head_dim_of(hf_config)
-        self.num_kv_heads = hf_config.num_key_value_heads
+        heads = head_shard(hf_config.num_attention_heads, hf_config.num_key_value_heads, group.rank,
+                           group.world_size)
+        self.num_kv_heads = heads.kv.size
         self.num_layers = hf_config.num_hidden_layers
         # Layers differ only in weights, so they share one backend object.
-        self.attn_backend = backend_cls(hf_config.num_attention_heads, self.num_kv_heads, self.head_dim,
-                                        self.head_dim ** -0.5)
+        self.attn_backend = backend_cls(heads.q.size, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         qkv_bias, o_bias = self._biases(hf_config)
         layers = [
-            DecoderLayer(hf_config, Attention(hf_config, self.attn_backend, qkv_bias, o_bias, dtype, device),
-                         dtype, device)
+            DecoderLayer(hf_config, Attention(hf_config, self.attn_backend, qkv_bias, o_bias, group, dtype, device),
+                         MLP(hf_config, group, dtype, device), dtype, device)
             for _ in range(self.num_layers)
         ]
-        self.model = LlamaModel(hf_config, layers, dtype, device)
+        self.model = LlamaModel(hf_config, layers, group, dtype, device)
         self.rotary_emb = RotaryEmbedding(hf_config, dtype, device)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = _linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype, device)
+            self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, group, dtype, device)
 
     @classmethod
     def _biases(cls, config: PretrainedConfig) -> tuple[bool, bool]:
@@ -234,7 +241,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return self._lm_head.weight
+
+    @property
+    def _lm_head(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
 
     def forward(
         self,
@@ -256,47 +267,43 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, kv_cache, attn_metadata)
         # The norm is per token and the LM head is the largest GEMM: run both on sampled rows only.
         h = self.model.norm(h[logits_indices])
-        return F.linear(h, self.lm_head_weight).float()
+        return self._lm_head.logits(h).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the parameters, converting to the model dtype.
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Copy Hugging Face-named tensors (this rank's shard of each) into the parameters,
+        converting to the model dtype.
 
         :raises ValueError: a name this model does not have, a shape that does not match, or a
             parameter the weights never provided.
         """
-        params = dict(self.named_parameters())
-        row_ranges = self._row_ranges()
+        modules = dict(self.named_modules())
+        expected = self._expected_shards()
         loaded: set[tuple[str, int]] = set()
         for hf_name, tensor in weights:
             if "rotary_emb." in hf_name or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
                 continue
             name, shard = _our_name(hf_name)
-            if name not in params:
+            if (name, shard) not in expected:
                 raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
-            rows = row_ranges[name][shard]
-            target = params[name][rows]
-            if target.shape != tensor.shape:
-                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} does not fit "
-                                 f"{name} rows {rows.start}:{rows.stop} ({tuple(target.shape)})")
-            with torch.no_grad():
-                target.copy_(tensor)
+            module_name, _, param_name = name.rpartition(".")
+            try:
+                load_parameter(modules[module_name], param_name, tensor, shard)
+            except ValueError as exc:
+                raise ValueError(f"{hf_name}: {exc}") from None
             loaded.add((name, shard))
-        missing = sorted(f"{name}[{shard}]" for name, ranges in row_ranges.items()
-                         for shard in range(len(ranges)) if (name, shard) not in loaded)
+        missing = sorted(f"{name}[{shard}]" for name, shard in expected - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
 
-    def _row_ranges(self) -> dict[str, list[slice]]:
-        """Each parameter's rows that one checkpoint tensor fills: one range per fused shard."""
-        ranges = {name: [slice(0, param.shape[0])] for name, param in self.named_parameters()}
-        for prefix, module in self.named_modules():
-            if isinstance(module, (Attention, MLP)):
-                bounds = [0, *itertools.accumulate(module.shard_sizes)]
-                for suffix in ("weight", "bias"):
-                    name = f"{prefix}.{module.fused_name}.{suffix}"
-                    if name in ranges:
-                        ranges[name] = [slice(a, b) for a, b in itertools.pairwise(bounds)]
-        return ranges
+    def _expected_shards(self) -> set[tuple[str, int]]:
+        """(parameter, shard) for every checkpoint tensor the model needs: a fused layer needs several."""
+        modules = dict(self.named_modules())
+        expected: set[tuple[str, int]] = set()
+        for name, _ in self.named_parameters():
+            module = modules[name.rpartition(".")[0]]
+            shards = module.num_shards if isinstance(module, ShardedLayer) else 1
+            expected.update((name, shard) for shard in range(shards))
+        return expected
 
 
 def _our_name(hf_name: str) -> tuple[str, int]:

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -21,6 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from cadence.backends.base import AttentionBackend
 from cadence.config import ConfigError
+from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.models.llama import LlamaForCausalLM, model_class_for, sliding_window_of
 
 logger = logging.getLogger(__name__)
@@ -134,11 +136,13 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     backend_cls: type[AttentionBackend],
+    group: ParallelGroup = SINGLE_RANK,
 ) -> LlamaForCausalLM:
     """Build the model for ``hf_config`` on ``device`` and load every ``*.safetensors`` file of ``folder``.
 
-    ``folder`` may also be a ``.gguf`` file (see :func:`resolve_model`). The model is returned in
-    eval mode with gradients off; run it under ``torch.inference_mode()``.
+    ``folder`` may also be a ``.gguf`` file (see :func:`resolve_model`). Under tensor parallelism
+    (``group``) each rank builds and reads only its shard. The model is returned in eval mode with
+    gradients off; run it under ``torch.inference_mode()``.
 
     :raises ConfigError: the folder has no safetensors files.
     :raises ValueError: unsupported architecture, or weights that do not fit it.
@@ -146,15 +150,30 @@ def load_model(
     files = sorted(Path(resolve_model(folder)).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors files in {folder}; cadence loads safetensors checkpoints only")
-    model = model_class_for(hf_config)(hf_config, backend_cls, dtype, device)
+    model = model_class_for(hf_config)(hf_config, backend_cls, dtype, device, group)
     model.load_weights(_read_safetensors(files))
     model.eval()
     model.requires_grad_(False)
     return model
 
 
-def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+class _LazyTensor:
+    """A checkpoint tensor read only where it is indexed (safetensors' ``get_slice``), so that a
+    tensor-parallel rank reads just its rows or columns; valid while its file is open."""
+
+    def __init__(self, handle: Any) -> None:
+        self._slice = handle
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def __getitem__(self, index: Any, /) -> torch.Tensor:
+        return self._slice[index]
+
+
+def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, _LazyTensor]]:
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as reader:
             for name in reader.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                yield name, reader.get_tensor(name)
+                yield name, _LazyTensor(reader.get_slice(name))

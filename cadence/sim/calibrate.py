@@ -34,7 +34,7 @@ from cadence.sim.workload import RequestSpec, arrival_times
 
 if TYPE_CHECKING:
     from cadence.core.engine import Engine
-    from cadence.core.worker import Worker
+    from cadence.executor import Executor
 
 # Random prompt ids start above the ids most vocabularies keep for special tokens.
 _FIRST_ORDINARY_ID = 100
@@ -115,10 +115,10 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
 
 
 class _TimingWorker:
-    """Stands in for the worker: times each step and tracks its shape (the executor calls it from
-    a thread, one step at a time)."""
+    """Stands in for the executor: times each step and tracks its shape (the executor actor calls
+    it from a thread, one step at a time)."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Executor) -> None:
         self.worker = worker
         self.tracker = ShapeTracker()
         self.steps: list[TimedStep] = []
@@ -135,12 +135,12 @@ class _TimingWorker:
 @contextlib.contextmanager
 def timing(engine: Engine) -> Iterator[_TimingWorker]:
     """Time every step ``engine`` runs while the context is open (``timer.steps``)."""
-    timer = _TimingWorker(engine.core.worker)
-    engine.core.worker = cast("Worker", timer)
+    timer = _TimingWorker(engine.core.executor)
+    engine.core.executor = cast("Executor", timer)
     try:
         yield timer
     finally:
-        engine.core.worker = timer.worker
+        engine.core.executor = timer.worker
 
 
 def time_steps(engine: Engine, plan: Sequence[Phase], seed: int = 0,

@@ -1,0 +1,169 @@
+"""Layers that hold one tensor-parallel rank's shard of a weight and load it from the full checkpoint.
+
+- :class:`ColumnParallelLinear`: output rows split (q/k/v and gate/up, fused); no communication.
+- :class:`RowParallelLinear`: input columns split; an all-reduce sums the partial products.
+- :class:`VocabParallelEmbedding`: vocabulary rows split; a masked lookup and an all-reduce, and as
+  the LM head an all-gather of each rank's slice of the logits.
+
+Each layer reads only its rows or columns of a checkpoint tensor (``tensor[rows]``, ``tensor[:, cols]``
+on a lazily read safetensors slice), so no rank materialises the full model. At world size 1 each
+forward is the single ``F.linear`` / ``F.embedding`` call of the unsharded module.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cadence.distributed.group import ParallelGroup
+from cadence.distributed.partition import Split
+
+
+class CheckpointTensor(Protocol):
+    """A checkpoint tensor that reads only the part it is indexed with (a torch tensor qualifies)."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def __getitem__(self, index: Any, /) -> torch.Tensor: ...
+
+
+class ShardedLayer(nn.Module):
+    """A layer whose parameters are one rank's shard of ``num_shards`` checkpoint tensors each."""
+
+    num_shards: int = 1
+
+    def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
+        """Copy this rank's part of checkpoint tensor ``shard`` into parameter ``name``.
+
+        :raises ValueError: the checkpoint tensor's shape does not match the layer's.
+        """
+        raise NotImplementedError
+
+
+def load_parameter(module: nn.Module, name: str, tensor: CheckpointTensor, shard: int) -> None:
+    """Load ``module.<name>``: its shard for a sharded layer, the whole tensor (replicated) otherwise.
+
+    :raises ValueError: the checkpoint tensor's shape does not match the parameter's.
+    """
+    if isinstance(module, ShardedLayer):
+        module.load(name, tensor, shard)
+        return
+    param = getattr(module, name)
+    _copy(param, tensor, tuple(param.shape), slice(None))
+
+
+def _copy(target: torch.Tensor, tensor: CheckpointTensor, expected: tuple[int, ...], index: Any) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} does not match the model's {expected}")
+    with torch.no_grad():
+        target.copy_(tensor[index])
+
+
+def _parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    # Uninitialised: loading overwrites every parameter (and the model checks that it did).
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class ColumnParallelLinear(ShardedLayer):
+    """``x @ W.T + b`` where this rank holds some output rows of each of the fused checkpoint tensors.
+
+    ``parts[i]`` is the rows of checkpoint tensor ``i`` (q, k, v; or gate, up; or one) this rank holds;
+    the local weight stacks them in order, so the output splits by :attr:`out_sizes`.
+    """
+
+    def __init__(self, in_features: int, parts: Sequence[Split], bias: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = list(parts)
+        self.num_shards = len(self.parts)
+        self.out_sizes = [part.size for part in self.parts]
+        self._offsets = [0, *itertools.accumulate(self.out_sizes)]
+        self.weight = _parameter(self._offsets[-1], in_features, dtype=dtype, device=device)
+        self.bias = _parameter(self._offsets[-1], dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
+        part = self.parts[shard]
+        target = getattr(self, name)[self._offsets[shard]:self._offsets[shard + 1]]
+        expected = (part.total, self.in_features) if name == "weight" else (part.total,)
+        _copy(target, tensor, expected, part.indices)
+
+
+class RowParallelLinear(ShardedLayer):
+    """``x @ W.T + b`` where this rank holds the input columns ``part`` and gets that slice of ``x``.
+
+    The partial products are summed by an all-reduce; the (replicated) bias is added once, after it.
+    """
+
+    def __init__(self, part: Split, out_features: int, bias: bool, group: ParallelGroup, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.part = part
+        self.out_features = out_features
+        self.group = group
+        self.weight = _parameter(out_features, part.size, dtype=dtype, device=device)
+        self.bias = _parameter(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.group.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
+        if name == "weight":
+            _copy(self.weight, tensor, (self.out_features, self.part.total), (slice(None), self.part.indices))
+        else:
+            _copy(getattr(self, name), tensor, (self.out_features,), slice(None))
+
+
+class VocabParallelEmbedding(ShardedLayer):
+    """A ``[vocab, hidden]`` matrix whose vocabulary rows are split across ranks: the token embedding,
+    and (tied or not) the LM head.
+
+    Every rank holds ``ceil(vocab / world_size)`` rows, the last one padded with zero rows, so the
+    logits slices all-gather as equal shapes.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.group = group
+        per_rank = -(-vocab_size // group.world_size)
+        start = min(group.rank * per_rank, vocab_size)
+        self.rows = Split(vocab_size, start, min(per_rank, vocab_size - start))
+        self.weight = _parameter(per_rank, hidden_size, dtype=dtype, device=device)
+        if self.rows.size < per_rank:
+            with torch.no_grad():
+                self.weight[self.rows.size:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[T, hidden]`` of ``input_ids``: each rank looks up its rows, zeros the rest, and
+        the all-reduce adds the one non-zero contribution per token."""
+        if self.group.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.rows.start
+        outside = (local < 0) | (local >= self.rows.size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ W.T`` over the whole vocabulary ``[B, vocab]``: each rank's slice, all-gathered."""
+        local = F.linear(hidden, self.weight)
+        if self.group.world_size == 1:
+            return local
+        return self.group.all_gather(local)[:, :self.vocab_size]
+
+    def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
+        _copy(self.weight[:self.rows.size], tensor, (self.vocab_size, self.hidden_size), self.rows.indices)

@@ -1,0 +1,66 @@
+"""The executor contract, the in-process executor, and the choice between executors."""
+
+from __future__ import annotations
+
+import abc
+
+from transformers import PretrainedConfig
+
+from cadence.config import EngineConfig
+from cadence.core.worker import Worker
+from cadence.distributed.partition import check_shardable
+from cadence.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or died; the message names its rank."""
+
+
+class Executor(abc.ABC):
+    """Runs each scheduled step on every rank's worker and returns rank 0's sampled tokens.
+
+    ``num_blocks`` is the KV cache's block count, the same on every rank. The executor actor calls
+    :meth:`execute_model` from a thread, one step at a time.
+    """
+
+    num_blocks: int
+
+    @abc.abstractmethod
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on all ranks; blocks until rank 0 has sampled.
+
+        :raises WorkerError: a worker raised or died during the step.
+        """
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent); the executor is unusable afterwards."""
+
+
+class UniExecutor(Executor):
+    """One worker in the engine core's process: no copies, no collectives (the default for one rank)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.num_blocks = worker.num_blocks
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(step)
+
+
+def create_executor(config: EngineConfig, hf_config: PretrainedConfig) -> Executor:
+    """The executor ``config.parallel`` asks for, with its workers started and their KV caches sized.
+
+    :raises ValueError: the model cannot be split over ``tensor_parallel_size`` ranks.
+    :raises WorkerError: a worker failed to start.
+    """
+    backend = config.parallel.executor_backend
+    if backend == "uni":
+        return UniExecutor(Worker(config, hf_config))
+    check_shardable(hf_config, config.parallel.tensor_parallel_size)
+    if backend == "mp":
+        from cadence.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from cadence.executor.ray_executor import RayExecutor  # needs the `ray` extra
+
+    return RayExecutor(config)

@@ -1,0 +1,179 @@
+"""Tensor parallelism: the split arithmetic, the parallel layers against their unsharded equivalents
+(two gloo ranks), and whole engines: TP=2 over the mp executor picks TP=1's tokens, and a worker
+killed mid-generation fails the request and kills the engine instead of hanging."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing
+from tp_layer_check import check_layers
+from transformers import LlamaConfig
+
+from cadence import LLM, SamplingParams
+from cadence.core.actor import EngineDeadError
+from cadence.distributed import check_shardable, even_split, head_shard
+from cadence.distributed.group import ParallelGroup, free_port
+from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from cadence.executor.multiproc import MultiprocExecutor
+
+# A hang guard only: generation here takes a few seconds.
+HANG_GUARD_S = 300
+
+
+# ---- how dimensions are split -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("total", "world_size"), [(8, 2), (9, 2), (3, 2), (13, 4), (5, 5)])
+def test_even_split_covers_the_dimension_contiguously(total: int, world_size: int) -> None:
+    splits = [even_split(total, rank, world_size) for rank in range(world_size)]
+    assert splits[0].start == 0 and splits[-1].stop == total
+    assert all(a.stop == b.start for a, b in itertools.pairwise(splits))
+    assert max(s.size for s in splits) - min(s.size for s in splits) <= 1
+
+
+def test_heads_split_by_kv_groups_unevenly_when_needed() -> None:
+    # SmolLM2: 9 heads over 3 KV heads, on 2 ranks: whole groups of 3 query heads per KV head.
+    shards = [head_shard(9, 3, rank, 2) for rank in range(2)]
+    assert [(s.q.start, s.q.size, s.kv.start, s.kv.size) for s in shards] == [(0, 6, 0, 2), (6, 3, 2, 1)]
+
+
+def test_kv_heads_are_replicated_when_fewer_than_ranks() -> None:
+    shards = [head_shard(8, 2, rank, 4) for rank in range(4)]
+    assert [(s.q.start, s.q.size) for s in shards] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [s.kv.start for s in shards] == [0, 0, 1, 1] and all(s.kv.size == 1 for s in shards)
+    with pytest.raises(ValueError, match="choose another --tensor-parallel-size"):
+        head_shard(6, 2, 0, 4)
+
+
+def test_a_model_with_fewer_heads_than_ranks_is_refused_up_front() -> None:
+    with pytest.raises(ValueError, match="exceeds the model's 4 attention heads"):
+        check_shardable(LlamaConfig(num_attention_heads=4, num_key_value_heads=2), 8)
+
+
+# ---- the parallel layers ----------------------------------------------------------------------
+
+
+class _Recording:
+    """A checkpoint tensor that records how it is indexed (what a rank actually reads)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.reads: list[torch.Size] = []
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        part = self.tensor[index]
+        self.reads.append(part.shape)
+        return part
+
+
+def test_each_layer_reads_only_its_shard_of_a_checkpoint_tensor() -> None:
+    rank1 = ParallelGroup(rank=1, world_size=2)  # loading needs no collective
+    gate = _Recording(torch.randn(10, 6))
+    ColumnParallelLinear(6, [even_split(10, 1, 2)] * 2, False, torch.float32, "cpu").load("weight", gate, 0)
+    down = _Recording(torch.randn(6, 10))
+    RowParallelLinear(even_split(10, 1, 2), 6, False, rank1, torch.float32, "cpu").load("weight", down, 0)
+    embed = _Recording(torch.randn(13, 6))
+    VocabParallelEmbedding(13, 6, rank1, torch.float32, "cpu").load("weight", embed, 0)
+    assert (gate.reads, down.reads, embed.reads) == ([(5, 6)], [(6, 5)], [(6, 6)])
+
+
+def test_parallel_layers_match_unsharded_ones_over_two_gloo_ranks() -> None:
+    torch.multiprocessing.spawn(check_layers, args=(2, f"tcp://127.0.0.1:{free_port('127.0.0.1')}"), nprocs=2)
+
+
+# ---- whole engines ----------------------------------------------------------------------------
+
+
+def greedy_and_seeded(prompts: list[list[int]], new_tokens: int) -> list[SamplingParams]:
+    """Greedy rows, and one seeded random row: were rank 1 to sample on its own, it would diverge."""
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=new_tokens, ignore_eos=True)
+    return [seeded if i == len(prompts) - 1 else greedy for i in range(len(prompts))]
+
+
+def generate(llm: LLM, prompts: list[list[int]], new_tokens: int = 12) -> list[list[int]]:
+    outputs = llm.generate(prompts, greedy_and_seeded(prompts, new_tokens), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+TINY_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 100)), list(range(100, 140))]
+
+
+@pytest.fixture(scope="module")
+def tiny_kv1(make_tiny_model: Callable[..., Path]) -> Path:
+    """4 heads over a single KV head: at TP=2 each rank holds a replica of it."""
+    return make_tiny_model("llama", num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2(tiny_kv1: Path) -> Iterator[LLM]:
+    llm = LLM(model=str(tiny_kv1), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_tp2_over_gloo_picks_tp1_tokens_on_a_tiny_llama(tiny_kv1: Path, tiny_tp2: LLM) -> None:
+    assert tiny_tp2.engine.config.parallel.executor_backend == "mp"
+    tp1 = LLM(model=str(tiny_kv1), dtype="float32", num_kv_blocks=64)
+    assert generate(tiny_tp2, TINY_PROMPTS) == generate(tp1, TINY_PROMPTS)
+    assert tiny_tp2.engine.allocator.num_blocks == tp1.engine.allocator.num_blocks == 64
+    assert tiny_tp2.engine.allocator.num_free_blocks == 63  # everything was freed
+
+
+@pytest.mark.slow
+def test_tp2_over_gloo_picks_tp1_tokens_on_smollm2() -> None:
+    """The real model: tied embeddings, and 9 heads over 3 KV heads, split 6 + 3."""
+    tp1 = LLM(dtype="float32", num_kv_blocks=32, num_threads=1)
+    prompts = [tp1.apply_chat_template([{"role": "user", "content": question}])
+               for question in ("What is the capital of France?", "Name three colours.")]
+    tp2 = LLM(dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
+    try:
+        assert generate(tp2, prompts, 16) == generate(tp1, prompts, 16)
+    finally:
+        tp2.engine.shutdown()
+
+
+def test_a_killed_worker_fails_the_request_and_the_engine(tiny_kv1: Path) -> None:
+    llm = LLM(model=str(tiny_kv1), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+    executor = llm.engine.core.executor
+    assert isinstance(executor, MultiprocExecutor)
+    victim = executor.processes[1]
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    while not llm.engine.scheduler.running and thread.is_alive():  # mid-generation
+        thread.join(0.01)
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(HANG_GUARD_S)
+    try:
+        assert not thread.is_alive(), "generation hung after a worker died"
+        assert isinstance(outcome[0], EngineDeadError)
+        assert "worker rank 1" in str(outcome[0]) and "SIGKILL" in str(outcome[0])
+        assert llm.engine.dead is not None
+        with pytest.raises(EngineDeadError):
+            llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert not any(process.is_alive() for process in executor.processes)
