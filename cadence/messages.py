@@ -8,6 +8,7 @@ garbage collector off these short-lived objects (none of them form reference cyc
 from __future__ import annotations
 
 import msgspec
+import torch
 
 from cadence.sampling_params import SamplingParams
 
@@ -70,10 +71,19 @@ class SchedulerOutput(_Message):
     # Dropped by the worker before this step runs.
     finished_request_ids: list[str]
     preempted_request_ids: list[str]
+    # Only when some request that samples this step has a structured-output constraint.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+
+class GrammarBitmask(_Message):
+    """The tokens each constrained request may sample this step (structured output)."""
+
+    request_ids: list[str]  # row i is request_ids[i]'s; each samples this step
+    bitmask: torch.Tensor  # xgrammar's packed int32 [rows, ceil(vocab / 32)]: bit set = allowed
 
 
 # ---- executor -> scheduler -----------------------------------------------------------------
@@ -104,6 +114,23 @@ class ExecutorFailed(_Message):
     error: str
 
 
+# ---- tensor-parallel worker processes -> executor ------------------------------------------
+
+
+class WorkerReady(_Message):
+    """A worker loaded its shard and allocated its KV cache (the same block count on every rank)."""
+
+    rank: int
+    num_blocks: int
+
+
+class WorkerFailed(_Message):
+    """A worker raised, while starting or in a step, and is exiting."""
+
+    rank: int
+    error: str
+
+
 # ---- engine core -> front end --------------------------------------------------------------
 
 
@@ -130,10 +157,22 @@ class SchedulerStats(_Message):
     num_preemptions: int
 
 
+class KVCacheDelta(_Message):
+    """The net change of an engine core's prefix cache since its previous output batch, as block
+    hashes (see ``kv_allocator.hash_block``): what the data-parallel router needs of the KV events,
+    without their token ids. Apply ``cleared``, then ``removed``, then ``stored``."""
+
+    stored: list[int]
+    removed: list[int]
+    cleared: bool = False
+
+
 class EngineCoreOutputs(_Message):
     outputs: list[EngineCoreOutput]
     timestamp: float
     stats: SchedulerStats | None = None
+    # Only from an engine core behind a data-parallel router with prefix caching on.
+    kv_delta: KVCacheDelta | None = None
 
 
 class EngineCoreReady(_Message):
@@ -209,5 +248,6 @@ class SequenceDelta(_Message):
 
 
 EngineCoreInput = EngineCoreRequest | AbortRequests
+WorkerReply = WorkerReady | ModelRunnerOutput | WorkerFailed
 SchedulerInbox = EngineCoreRequest | AbortRequests | ModelRunnerOutput | ExecutorFailed
 EngineCoreEvent = EngineCoreOutputs | EngineCoreReady | EngineDead

@@ -49,7 +49,7 @@ class ScriptedEngine:
         self.limits = ModelLimits(max_model_len=64, vocab_size=320, kv_capacity_tokens=160, eos_token_id=0)
         self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16))
         self.dead: str | None = None
-        self.stats = None
+        self.engines = [SimpleNamespace(stats=None, num_pending=0, num_blocks=11)]
         self.num_pending_requests = 0
         self.script = script
 

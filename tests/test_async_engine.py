@@ -83,7 +83,7 @@ async def test_random_frames_are_dropped_and_the_engine_keeps_serving(tiny_confi
     async with AsyncEngine.launch(tiny_config) as engine:  # type: ignore[arg-type]
         context = zmq.Context()
         rogue = context.socket(zmq.PUSH)
-        rogue.connect(engine._process_addresses.input)
+        rogue.connect(engine.engines[0].process.addresses.input)
         for frame in [b"", b"\x00\xff garbage", os.urandom(64), b"\x92\xa3abc\x01"]:
             rogue.send(frame)
         rogue.close(linger=1000)
@@ -109,7 +109,7 @@ async def test_killing_the_engine_core_fails_in_flight_requests_quickly(tiny_con
                 for _ in range(4):
                     group.start_soon(doomed)
                 await anyio.sleep(0.3)
-                os.kill(engine._process_pid, signal.SIGKILL)
+                os.kill(engine.engines[0].process.process.pid, signal.SIGKILL)
         assert len(errors) == 4 and all("exited with code -9" in str(e) for e in errors)
         assert not engine.is_healthy and deaths
         with pytest.raises(EngineDeadError):

@@ -1,14 +1,15 @@
 """``GET /metrics``: vLLM's metric set under the prefix ``cadence:``, in a registry of the app's own.
 
 Latencies are measured here, in the front end, from each request's deltas (what a client sees);
-the engine's state (running/waiting requests, KV cache, prefix cache, preemptions) comes from the
-engine core's latest :class:`SchedulerStats`, read at scrape time.
+the engine's state (running/waiting requests, KV cache, prefix cache, preemptions) comes from each
+engine core's latest :class:`SchedulerStats`, read at scrape time, with one series per engine core
+under the label ``engine`` (its data-parallel rank: ``"0"`` when there is one), as vLLM labels them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,7 +42,8 @@ def _token_buckets(max_model_len: int) -> list[float]:
 class APIMetrics:
     """The server's Prometheus metrics, labelled with the served model's name."""
 
-    def __init__(self, model_name: str, max_model_len: int, engine_state: Callable[[], EngineState]) -> None:
+    def __init__(self, model_name: str, max_model_len: int,
+                 engine_states: Callable[[], Sequence[EngineState]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
@@ -67,7 +69,7 @@ class APIMetrics:
         self._success = Counter("cadence:request_success", "Finished sequences by finish reason.",
                                 [*labels, "finished_reason"], registry=r)
         self._model_name = model_name
-        r.register(_EngineCollector(model_name, engine_state))
+        r.register(_EngineCollector(model_name, engine_states))
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model_name, reason).inc()
@@ -77,7 +79,7 @@ class APIMetrics:
 
 
 class EngineState:
-    """What ``/metrics`` reads from the engine at scrape time."""
+    """What ``/metrics`` reads from one engine core at scrape time."""
 
     __slots__ = ("num_blocks", "num_pending", "stats")
 
@@ -88,38 +90,46 @@ class EngineState:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, state: Callable[[], EngineState]) -> None:
+    """One series per engine core (label ``engine``: its rank) of each metric read from the engines."""
+
+    def __init__(self, model_name: str, states: Callable[[], Sequence[EngineState]]) -> None:
         self._model_name = model_name
-        self._state = state
+        self._states = states
 
     def collect(self) -> Iterator[Metric]:
-        state = self._state()
-        s = state.stats
-        labels = [self._model_name]
+        states = self._states()
+        stats = [state.stats for state in states]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(f"cadence:{name}", doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            return family
+        def family(kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str,
+                   values: list[float]) -> Metric:
+            metric = kind(f"cadence:{name}", doc, labels=["model_name", "engine"])
+            for rank, value in enumerate(values):
+                metric.add_metric([self._model_name, str(rank)], value)
+            return metric
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(f"cadence:{name}", doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            return family
+        def gauge(name: str, doc: str, values: list[float]) -> Metric:
+            return family(GaugeMetricFamily, name, doc, values)
 
-        yield gauge("num_requests_running", "Requests in the engine's running batch.", s.num_running if s else 0)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting if s else 0)
+        def counter(name: str, doc: str, values: list[float]) -> Metric:
+            return family(CounterMetricFamily, name, doc, values)
+
+        yield gauge("num_requests_running", "Requests in the engine's running batch.",
+                    [s.num_running if s else 0 for s in stats])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                    [s.num_waiting if s else 0 for s in stats])
         yield gauge("num_requests_pending", "Requests the front end has admitted and not yet finished.",
-                    state.num_pending)
+                    [state.num_pending for state in states])
         yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                    s.kv_cache_usage if s else 0.0)
-        yield gauge("kv_cache_num_blocks", "KV cache blocks in the pool.", state.num_blocks)
+                    [s.kv_cache_usage if s else 0.0 for s in stats])
+        yield gauge("kv_cache_num_blocks", "KV cache blocks in the pool.", [state.num_blocks for state in states])
         yield gauge("kv_cache_free_blocks", "KV cache blocks free (cached or empty).",
-                    s.num_free_blocks if s else state.num_blocks)
+                    [s.num_free_blocks if s else state.num_blocks for s, state in zip(stats, states, strict=True)])
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries if s else 0)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits if s else 0)
-        yield counter("num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions if s else 0)
+                      [s.prefix_cache_queries if s else 0 for s in stats])
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      [s.prefix_cache_hits if s else 0 for s in stats])
+        yield counter("num_preemptions", "Requests preempted by the scheduler.",
+                      [s.num_preemptions if s else 0 for s in stats])
 
 
 class RequestTimer:

@@ -5,6 +5,11 @@ stop accepting, give in-flight requests ``--shutdown-timeout`` seconds to finish
 stop the engine core and exit 0. If the engine core dies, every in-flight request fails at once
 and the server exits 1 after answering them, unless ``--stay-up-on-engine-death`` (then
 ``/health`` answers 503 until someone stops it).
+
+With ``--data-parallel-size N`` there are N engine cores behind this one server (see
+``AsyncEngine``). The death of any one of them counts as the engine's death: its requests fail at
+once, ``/health`` answers 503 and new requests are refused, while the requests already on the
+other engine cores run on (to the end of the ``--shutdown-timeout`` grace unless told to stay up).
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def register(verbs: Any) -> None:
                    help="seconds in-flight requests get to finish on SIGTERM / Ctrl-C before they are aborted "
                         "(default: %(default)s)")
     g.add_argument("--stay-up-on-engine-death", action="store_true",
-                   help="keep serving (503 on /health and on requests) if the engine core dies, instead of "
+                   help="keep serving (503 on /health and on requests) if an engine core dies, instead of "
                         "exiting non-zero")
     serve.set_defaults(run=run_server)
 
@@ -186,8 +191,9 @@ async def _serve_http(engine: AsyncEngine, settings: ServerSettings, options: Se
         await runner.cleanup()
         return 1
     lifecycle.listening = True
-    print(f"cadence: serving {settings.model_name} on http://{options.host}:{options.port}", file=sys.stderr,
-          flush=True)
+    cores = len(engine.engines)
+    print(f"cadence: serving {settings.model_name} on http://{options.host}:{options.port}"
+          + (f" with {cores} data-parallel engine cores" if cores > 1 else ""), file=sys.stderr, flush=True)
     await lifecycle.stop.wait()
     state = app[STATE]
     logger.warning("shutting down: %d requests in flight", state.num_in_flight)

@@ -67,15 +67,14 @@ class APIState:
         self.tokenizer = engine.tokenizer
         self.limits = engine.limits
         self.texts = TokenTexts(engine.tokenizer)
-        self.block_size = engine.config.cache.block_size
-        self.metrics = APIMetrics(settings.model_name, self.limits.max_model_len, self._engine_state)
+        self.metrics = APIMetrics(settings.model_name, self.limits.max_model_len, self._engine_states)
         self.created = int(time.time())
         self.closing = False
         self._in_flight: set[InFlight] = set()
 
-    def _engine_state(self) -> EngineState:
-        return EngineState(self.engine.stats, self.engine.num_pending_requests,
-                           self.limits.kv_capacity_tokens // self.block_size)
+    def _engine_states(self) -> list[EngineState]:
+        """Per engine core, in rank order; a pool's usable blocks exclude its null block."""
+        return [EngineState(e.stats, e.num_pending, e.num_blocks - 1) for e in self.engine.engines]
 
     @property
     def num_in_flight(self) -> int:

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.to_thread
 
 from cadence.core.actor import UNBOUNDED, Actor, Mailbox
 from cadence.core.scheduler import Scheduler
@@ -25,6 +26,10 @@ from cadence.messages import (
     SchedulerStats,
 )
 from cadence.request import Request
+
+# How long one wait for a compiling grammar may hold off new messages (it ends sooner when a
+# compile finishes).
+_GRAMMAR_WAIT_S = 0.02
 
 
 class ExecutorError(RuntimeError):
@@ -53,7 +58,11 @@ class EngineCoreActor(Actor[SchedulerInbox]):
     async def run(self) -> None:
         try:
             while await self._take_messages():
-                if self.scheduler.num_unfinished:
+                self._pending.extend(self.scheduler.finish_failed_grammars())
+                if self.scheduler.waiting_for_grammars:
+                    # Sleep in a thread on the compiles, not on the event loop; then look at the inbox again.
+                    await anyio.to_thread.run_sync(self.scheduler.wait_for_grammars, _GRAMMAR_WAIT_S)
+                elif self.scheduler.num_unfinished:
                     await self._step()
                 if self._pending:
                     await self._emit()

@@ -3,10 +3,15 @@
 The server starts it with multiprocessing's ``spawn`` (a clean interpreter: no inherited threads,
 and torch gets every core while the server process keeps one), waits for :class:`EngineCoreReady`,
 and watches the process: if it exits, every in-flight request fails at once.
+
+With data parallelism the server starts one such process per rank, each with its own sockets and
+KV cache and an equal share of the cores; each then also reports its prefix cache's changes with
+its outputs, for the router (see :mod:`cadence.core.dp_router`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -24,14 +29,17 @@ import zmq
 import zmq.asyncio
 
 from cadence.config import EngineConfig
-from cadence.core.actor import run_actors
+from cadence.core.actor import Mailbox, run_actors
+from cadence.core.kv_allocator import AllBlocksCleared, BlockStored, KVAllocator, KVEvent
 from cadence.messages import (
     AbortRequests,
     EngineCoreEvent,
     EngineCoreInput,
+    EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
     EngineDead,
+    KVCacheDelta,
 )
 from cadence.transport.forwarder import Forwarder
 from cadence.transport.zmq_channel import ZmqReceiveChannel, ZmqSendChannel
@@ -52,14 +60,28 @@ class EngineAddresses:
         return cls(input=f"ipc://{stem}-in", output=f"ipc://{stem}-out")
 
 
-def engine_core_main(config: EngineConfig, addresses: EngineAddresses, log_level: str) -> None:
+def engine_core_main(config: EngineConfig, addresses: EngineAddresses, log_level: str, dp_rank: int = 0) -> None:
     """The process's entry point; exits non-zero if the engine failed."""
     # Ctrl-C reaches the whole process group; the server decides when the engine core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(levelname)s engine-core %(name)s: %(message)s")
-    torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+    _set_process_name(f"cadence-core-{dp_rank}")
+    logging.basicConfig(level=log_level, format=f"%(levelname)s engine-core-{dp_rank} %(name)s: %(message)s")
+    torch.set_num_threads(num_threads(config))
     ok = anyio.run(_serve, config, addresses)
     sys.exit(0 if ok else 1)
+
+
+def num_threads(config: EngineConfig) -> int:
+    """``--num-threads``, else an equal share of the cores among the data-parallel engine cores
+    (oversubscribing the cores slows every engine several times over)."""
+    return config.device.num_threads or max(1, (os.cpu_count() or 1) // config.parallel.data_parallel_size)
+
+
+def _set_process_name(name: str) -> None:
+    """Name the process as ``ps``/``top`` show it (Linux; at most 15 bytes), as vLLM names its
+    ``EngineCore_DP<rank>`` processes: one can tell the engine cores apart."""
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write(name[:15])
 
 
 async def _serve(config: EngineConfig, addresses: EngineAddresses) -> bool:
@@ -74,7 +96,11 @@ async def _serve(config: EngineConfig, addresses: EngineAddresses) -> bool:
         logger.exception("engine core failed to start")
         await outputs.send(EngineDead(f"engine core failed to start: {type(exc).__name__}: {exc}"))
         return False
-    core_actor, executor = core.actors(outputs)
+    publish_to: Mailbox[Any] = outputs
+    if config.parallel.data_parallel_size > 1 and config.cache.enable_prefix_caching:
+        core.allocator.enable_kv_events = True
+        publish_to = _WithKVDelta(outputs, core.allocator)
+    core_actor, executor = core.actors(publish_to)
     forwarder = Forwarder(inputs, {EngineCoreRequest: core_actor, AbortRequests: core_actor}, "engine-input")
     crashed: list[str] = []
 
@@ -82,20 +108,59 @@ async def _serve(config: EngineConfig, addresses: EngineAddresses) -> bool:
         crashed.append(error)
         await outputs.send(EngineDead(error))
 
-    await outputs.send(EngineCoreReady(num_blocks=core.worker.num_blocks, block_size=config.cache.block_size))
-    logger.info("engine core ready: %d KV blocks", core.worker.num_blocks)
+    await outputs.send(EngineCoreReady(num_blocks=core.executor.num_blocks, block_size=config.cache.block_size))
+    logger.info("engine core ready: %d KV blocks", core.executor.num_blocks)
     await run_actors([core_actor, executor, forwarder], on_crash)
     return not crashed
 
 
-class EngineCoreProcess:
-    """The server's handle on the engine-core process and its two channels."""
+class _WithKVDelta:
+    """The engine core's output channel, with the allocator's KV events since the previous batch
+    folded into each output batch (one delta per step, never a message per block)."""
 
-    def __init__(self, config: EngineConfig, log_level: str = "WARNING") -> None:
+    def __init__(self, outputs: Mailbox[Any], allocator: KVAllocator) -> None:
+        self._outputs = outputs
+        self._allocator = allocator
+
+    async def send(self, message: EngineCoreOutputs) -> None:
+        message.kv_delta = fold_kv_events(self._allocator.take_events())
+        await self._outputs.send(message)
+
+    def close(self) -> None:
+        self._outputs.close()
+
+
+def fold_kv_events(events: list[KVEvent]) -> KVCacheDelta | None:
+    """The net effect of ``events`` (in order) on the set of cached hashes; None if there were none."""
+    if not events:
+        return None
+    stored: dict[int, None] = {}  # dicts: sets in insertion order, so the frames are reproducible
+    removed: dict[int, None] = {}
+    cleared = False
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            stored.clear()
+            removed.clear()
+            cleared = True
+            continue
+        added, dropped = (stored, removed) if isinstance(event, BlockStored) else (removed, stored)
+        for block_hash in event.block_hashes:
+            dropped.pop(block_hash, None)
+            added[block_hash] = None
+    return KVCacheDelta(stored=list(stored), removed=list(removed), cleared=cleared)
+
+
+class EngineCoreProcess:
+    """The server's handle on one engine-core process and its two channels."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "WARNING", dp_rank: int = 0) -> None:
+        self.dp_rank = dp_rank
         self.addresses = EngineAddresses.fresh()
+        # Not a daemon under the mp executor: daemons may not start processes, and that engine core
+        # starts its tensor-parallel workers. shutdown() stops it either way; its workers exit with it.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=engine_core_main, args=(config, self.addresses, log_level), name="cadence-engine-core",
-            daemon=True)
+            target=engine_core_main, args=(config, self.addresses, log_level, dp_rank),
+            name=f"cadence-engine-core-{dp_rank}", daemon=config.parallel.executor_backend != "mp")
         self._context = zmq.asyncio.Context()
         self.inputs: ZmqSendChannel[Any] = ZmqSendChannel(self._context, self.addresses.input, EngineCoreInput,
                                                           bind=False)

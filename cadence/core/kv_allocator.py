@@ -210,6 +210,11 @@ class KVAllocator:
     def enable_kv_events(self) -> bool:
         return self._record_events
 
+    @enable_kv_events.setter
+    def enable_kv_events(self, on: bool) -> None:
+        """Turn recording on before the first allocation: a subscriber learns only of later changes."""
+        self._record_events = on
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation could take now (cached-but-free blocks included)."""

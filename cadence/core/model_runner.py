@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from cadence.backends.base import AttentionBackend, BatchLayout
-from cadence.core.sampler import Sampler, SamplingRow
+from cadence.core.sampler import Sampler, SamplingRow, apply_grammar_bitmask
 from cadence.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from cadence.sampling_params import SamplingParams
 
@@ -83,13 +83,14 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,
+        sampler: Sampler | None = None,  # a tensor-parallel worker passes one that broadcasts rank 0's tokens
     ) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = sampler or Sampler()
         self.states: dict[str, CachedRequestState] = {}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -105,6 +106,9 @@ class ModelRunner:
             if not inputs.sampled_states:  # only partial prefills this step
                 return ModelRunnerOutput(scheduler_output.step_id, [], [],
                                          model_time_s=time.perf_counter() - start)
+            if scheduler_output.grammar_bitmask is not None:
+                apply_grammar_bitmask(logits, [s.request_id for s in inputs.sampled_states],
+                                      scheduler_output.grammar_bitmask)
             sampled = self.sampler(logits, [s.sampling_row() for s in inputs.sampled_states])
         for state, token_id in zip(inputs.sampled_states, sampled.token_ids, strict=True):
             state.append(token_id)
