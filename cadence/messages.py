@@ -104,7 +104,8 @@ class ModelRunnerOutput(_Message):
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # aligned with request_ids when any asked
-    model_time_s: float = 0.0
+    model_time_s: float = 0.0  # the whole execute_model call
+    forward_time_s: float = 0.0  # the model's forward pass within it
 
 
 class ExecutorFailed(_Message):
@@ -155,6 +156,10 @@ class SchedulerStats(_Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Engine steps, their wall time and the model forward's part of it (see core/step_timing.py).
+    num_steps: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
 
 
 class KVCacheDelta(_Message):

@@ -130,6 +130,11 @@ class _EngineCollector(Collector):
                       [s.prefix_cache_hits if s else 0 for s in stats])
         yield counter("num_preemptions", "Requests preempted by the scheduler.",
                       [s.num_preemptions if s else 0 for s in stats])
+        yield counter("engine_steps", "Engine steps run.", [s.num_steps if s else 0 for s in stats])
+        yield counter("engine_step_seconds", "Wall time of engine steps, from scheduling to output processing.",
+                      [s.step_time_s if s else 0.0 for s in stats])
+        yield counter("model_forward_seconds", "Part of the engine steps' wall time spent in the model forward.",
+                      [s.forward_time_s if s else 0.0 for s in stats])
 
 
 class RequestTimer:

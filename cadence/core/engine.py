@@ -10,7 +10,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -24,6 +24,7 @@ from cadence.core.executor import ExecutorActor
 from cadence.core.kv_allocator import KVAllocator
 from cadence.core.request_manager import ModelLimits, RequestManager
 from cadence.core.scheduler import Scheduler
+from cadence.core.step_timing import StepTiming
 from cadence.core.structured_output import StructuredOutputManager
 from cadence.core.worker import Worker
 from cadence.executor import Executor, create_executor
@@ -44,6 +45,7 @@ class EngineCore:
     executor: Executor
     allocator: KVAllocator
     scheduler: Scheduler
+    timing: StepTiming = field(default_factory=StepTiming)
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineCore:
@@ -62,7 +64,7 @@ class EngineCore:
 
     def actors(self, outputs_to: Mailbox[Any]) -> tuple[EngineCoreActor, ExecutorActor]:
         """Fresh engine-core and executor actors over these components."""
-        core = EngineCoreActor(self.scheduler, self.config.model.max_model_len)
+        core = EngineCoreActor(self.scheduler, self.config.model.max_model_len, self.timing)
         executor = ExecutorActor(self.executor, core)
         core.connect(executor, outputs_to)
         return core, executor

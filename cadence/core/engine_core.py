@@ -15,6 +15,7 @@ import anyio.to_thread
 
 from cadence.core.actor import UNBOUNDED, Actor, Mailbox
 from cadence.core.scheduler import Scheduler
+from cadence.core.step_timing import StepTiming
 from cadence.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -41,10 +42,11 @@ class EngineCoreActor(Actor[SchedulerInbox]):
     # scheduler -> detokenizer -> scheduler (abort) cycle.
     inbox_size = UNBOUNDED
 
-    def __init__(self, scheduler: Scheduler, max_model_len: int) -> None:
+    def __init__(self, scheduler: Scheduler, max_model_len: int, timing: StepTiming) -> None:
         super().__init__()
         self.scheduler = scheduler
         self.max_model_len = max_model_len
+        self.timing = timing
         self.executor: Mailbox[Any]
         self.outputs_to: Mailbox[Any]
         self._pending: list[EngineCoreOutput] = []
@@ -102,6 +104,7 @@ class EngineCoreActor(Actor[SchedulerInbox]):
             raise TypeError(f"engine core got an unexpected {type(message).__name__} outside a step")
 
     async def _step(self) -> None:
+        started = time.perf_counter()
         step = self.scheduler.schedule()
         if not step.num_scheduled_tokens and not self.scheduler.running:
             # Admission checks guarantee the first waiting request fits an empty engine.
@@ -126,6 +129,7 @@ class EngineCoreActor(Actor[SchedulerInbox]):
         for output in outputs:
             output.queue_time_s = self._first_scheduled.pop(output.request_id, None)
         self._pending.extend(outputs)
+        self.timing.record(len(step.num_scheduled_tokens), time.perf_counter() - started, message.forward_time_s)
 
     async def _emit(self) -> None:
         outputs, self._pending = self._pending, []
@@ -145,4 +149,7 @@ class EngineCoreActor(Actor[SchedulerInbox]):
             prefix_cache_queries=allocator.prefix_cache_queries,
             prefix_cache_hits=allocator.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions,
+            num_steps=self.timing.total.num_steps,
+            step_time_s=self.timing.total.wall_s,
+            forward_time_s=self.timing.total.forward_s,
         )

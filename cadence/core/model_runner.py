@@ -101,11 +101,14 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         metadata = self.backend.build_metadata(inputs.layout, self.device)
         with torch.inference_mode():
+            forward_start = time.perf_counter()
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata,
                                 inputs.logits_indices)
+            # Host time: on the CPU the forward has finished here (a GPU's may still be running).
+            forward_time = time.perf_counter() - forward_start
             if not inputs.sampled_states:  # only partial prefills this step
                 return ModelRunnerOutput(scheduler_output.step_id, [], [],
-                                         model_time_s=time.perf_counter() - start)
+                                         model_time_s=time.perf_counter() - start, forward_time_s=forward_time)
             if scheduler_output.grammar_bitmask is not None:
                 apply_grammar_bitmask(logits, [s.request_id for s in inputs.sampled_states],
                                       scheduler_output.grammar_bitmask)
@@ -118,6 +121,7 @@ class ModelRunner:
             sampled_token_ids=sampled.token_ids,
             logprobs=sampled.logprobs,
             model_time_s=time.perf_counter() - start,
+            forward_time_s=forward_time,
         )
 
     def _update_states(self, out: SchedulerOutput) -> None:
