@@ -51,6 +51,10 @@ class LLM:
         ``priority`` (lower runs first under ``policy="priority"``) and ``users`` (the tenant under
         ``policy="fair"``) give one value per prompt.
 
+        A request that fails in the engine (its grammar does not compile, say) does not fail the
+        batch: as in vLLM, its output comes back, with ``finish_reason == "error"`` on the sequence
+        and the reason in ``RequestOutput.error``.
+
         :raises ValueError: for a bad prompt or parameters, before anything is submitted.
         :raises EngineDeadError: if the engine failed while generating.
         """

@@ -143,6 +143,8 @@ class EngineCoreOutput(_Message):
     num_cached_tokens: int = 0
     # Set on a request's first output: seconds from arrival in the engine to its first step.
     queue_time_s: float | None = None
+    # With finish reason "error": why the request failed (its grammar did not compile ...), for the client.
+    error: str | None = None
 
 
 class SchedulerStats(_Message):
@@ -230,6 +232,8 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     finished: bool
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
+    # Why a sequence failed in the engine (its finish reason is "error"); the latest, if several did.
+    error: str | None = None
 
 
 class DetokenizedOutputs(_Message):
@@ -249,6 +253,8 @@ class SequenceDelta(_Message):
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
+    # With finish reason "error": why this sequence failed in the engine; with no finish reason:
+    # the engine died, and every pending request fails with this.
     error: str | None = None
 
 

@@ -90,6 +90,8 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
+        # Why it failed, once FINISHED_ERROR: sent to the client, which otherwise sees only "error".
+        self.error: str | None = None
         room = max_model_len - len(prompt_token_ids)
         requested = sampling_params.max_tokens
         self.max_tokens = room if requested is None else min(requested, room)

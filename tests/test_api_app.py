@@ -26,12 +26,12 @@ from cadence.sampling_params import SamplingParams
 Step = Callable[[SamplingParams], RequestOutput]
 
 
-def delta(token_ids: list[int], text: str, finish: str | None = None, logprobs: list[TokenLogprobs] | None = None
-          ) -> Step:
+def delta(token_ids: list[int], text: str, finish: str | None = None, logprobs: list[TokenLogprobs] | None = None,
+          error: str | None = None) -> Step:
     def make(params: SamplingParams) -> RequestOutput:
         return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[], finished=finish is not None,
                              outputs=[CompletionOutput(index=0, text=text, token_ids=token_ids, logprobs=logprobs,
-                                                       finish_reason=finish)])
+                                                       finish_reason=finish)], error=error)
     return make
 
 
@@ -64,11 +64,18 @@ class ScriptedEngine:
 
 
 def call(script: list[Step], path: str, body: dict[str, Any]) -> tuple[int, str]:
-    async def run() -> tuple[int, str]:
+    status, text, _ = call_then_scrape(script, path, body)
+    return status, text
+
+
+def call_then_scrape(script: list[Step], path: str, body: dict[str, Any]) -> tuple[int, str, str]:
+    """The response's status and body, then what ``/metrics`` says."""
+    async def run() -> tuple[int, str, str]:
         app = build_app(ScriptedEngine(script), ServerSettings(served_model_names=("m",)))  # type: ignore[arg-type]
         async with TestClient(TestServer(app)) as client:
             response = await client.post(path, json=body)
-            return response.status, await response.text()
+            text = await response.text()
+            return response.status, text, await (await client.get("/metrics")).text()
     return asyncio.run(run())
 
 
@@ -104,6 +111,31 @@ def test_a_mid_stream_failure_sends_an_error_event_and_closes(spec: OpenAISpec, 
 def test_an_aborted_request_is_an_error_not_a_finish_reason() -> None:
     status, text = call([delta([5], "a"), delta([], "", finish="abort")], "/v1/completions", {"prompt": "Paris"})
     assert status == 503 and json.loads(text)["error"]["code"] == "aborted"
+
+
+# What the engine sends when it ends a request with finish reason "error" (here its grammar failed to compile).
+FAILED_IN_ENGINE = [delta([5], "a"), delta([], "", finish="error", error="the grammar failed to compile: boom")]
+FAILED_MESSAGE = "the request failed in the engine: the grammar failed to compile: boom"
+
+
+def test_a_request_that_fails_in_the_engine_is_a_500_naming_the_reason(spec: OpenAISpec) -> None:
+    status, text, metrics = call_then_scrape(FAILED_IN_ENGINE, "/v1/chat/completions",
+                                             {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 500
+    spec.validate(json.loads(text), "ErrorResponse")
+    assert json.loads(text) == {"error": {"message": FAILED_MESSAGE, "type": "server_error", "param": None,
+                                          "code": "internal_error"}}
+    assert 'cadence:request_success_total{finished_reason="error",model_name="m"} 1.0' in metrics
+    assert 'finished_reason="stop"' not in metrics and 'finished_reason="abort"' not in metrics
+
+
+def test_a_streamed_request_that_fails_in_the_engine_ends_with_an_error_event(spec: OpenAISpec) -> None:
+    status, text = call(FAILED_IN_ENGINE, "/v1/completions", {"prompt": "Paris", "stream": True})
+    assert status == 200
+    chunk, error = events(text)  # "a", then the error instead of a finish reason (and no [DONE])
+    assert json.loads(chunk)["choices"][0]["text"] == "a"
+    spec.validate(json.loads(error), "ErrorResponse")
+    assert json.loads(error)["error"]["message"] == FAILED_MESSAGE
 
 
 def test_logprobs_formats(spec: OpenAISpec) -> None:

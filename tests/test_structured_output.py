@@ -167,9 +167,42 @@ def failing_loader() -> Any:
 def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     alone = texts(llm, PROMPTS[1:2], [FREE])[0]
     monkeypatch.setattr(llm.engine.scheduler, "structured_output", StructuredOutputManager(failing_loader, 320))
-    failed, neighbour = texts(llm, PROMPTS[:2], [words(temperature=0), FREE])
-    assert failed == ("", [], "error")
-    assert neighbour == alone
+    failed, neighbour = llm.generate(PROMPTS[:2], [words(temperature=0), FREE], use_tqdm=False)
+    assert (failed.outputs[0].text, failed.outputs[0].token_ids, failed.outputs[0].finish_reason) == ("", [], "error")
+    assert failed.error == "the grammar failed to compile: tokenizer files are gone"
+    assert neighbour.error is None
+    assert (neighbour.outputs[0].text, neighbour.outputs[0].token_ids, neighbour.outputs[0].finish_reason) == alone
+
+
+class FailsAfterTheLook(StructuredOutputManager):
+    """Its first compile fails just after the engine looked for failed compiles, before it decides
+    whether to wait for grammars: the window in which an idle engine used to step with nothing to
+    schedule, and die."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        super().__init__(self._gated_failure, 320)
+
+    def _gated_failure(self) -> Any:
+        assert self.gate.wait(30), "the engine never looked for failures"
+        raise OSError("tokenizer files are gone")
+
+    def take_failures(self) -> dict[str, str]:
+        failures = super().take_failures()
+        if not self.gate.is_set():
+            self.gate.set()
+            self.wait(30)  # the compile has failed when this returns
+        return failures
+
+
+def test_a_compile_failing_while_the_engine_is_idle_fails_only_its_request(llm: LLM,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    alone = texts(llm, PROMPTS[1:2], [FREE])
+    monkeypatch.setattr(llm.engine.scheduler, "structured_output", FailsAfterTheLook())
+    [failed] = llm.generate(PROMPTS[:1], words(temperature=0), use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error"
+    assert failed.error == "the grammar failed to compile: tokenizer files are gone"
+    assert texts(llm, PROMPTS[1:2], [FREE]) == alone  # the engine lives on
 
 
 def test_a_request_waits_for_its_grammar_while_others_run(tiny: Path, llm: LLM,

@@ -78,6 +78,37 @@ def test_structured_outputs_extra_body_on_both_endpoints(client: openai.OpenAI) 
     assert re.fullmatch(r" ?1[89]\d\d", completion.choices[0].text) and completion.choices[0].finish_reason == "stop"
 
 
+# Once "yes" or "no" is out the grammar allows only the stop token, which min_tokens masks: the engine
+# samples a token the grammar refuses and ends the request with finish reason "error". The front end
+# accepts this (so it is the way to make a real engine fail a request on cue).
+OUTLASTS_ITS_GRAMMAR = {"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 5}
+ASK_YES_NO: Any = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
+REFUSED = "the request failed in the engine: the grammar does not allow the sampled token"
+
+
+def test_a_request_that_fails_in_the_engine_is_a_500_naming_the_reason(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK_YES_NO, max_tokens=10, temperature=0,
+                                       extra_body=OUTLASTS_ITS_GRAMMAR)
+    assert caught.value.status_code == 500
+    assert isinstance(caught.value.body, dict) and caught.value.body["type"] == "server_error"
+    assert caught.value.body["message"].startswith(REFUSED), caught.value.body
+
+
+def test_a_streamed_request_that_fails_in_the_engine_ends_with_an_error_event(client: openai.OpenAI) -> None:
+    chunks = []
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in client.completions.create(model=MODEL, prompt="Is Paris in France? Answer:", max_tokens=10,
+                                               temperature=0, stream=True, extra_body=OUTLASTS_ITS_GRAMMAR):
+            chunks.append(chunk)
+    assert caught.value.message.startswith(REFUSED), caught.value.message
+    assert all(c.choices[0].finish_reason is None for c in chunks)
+    # The engine lives on.
+    after = client.completions.create(model=MODEL, prompt="Is Paris in France? Answer:", max_tokens=10, temperature=0,
+                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert after.choices[0].text in ("yes", "no") and after.choices[0].finish_reason == "stop"
+
+
 BAD: list[tuple[str, dict[str, Any], str, str]] = [
     # (name, extra body, param, message pattern)
     ("invalid JSON schema", {"response_format": {"type": "json_schema", "json_schema": {

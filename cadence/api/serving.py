@@ -146,6 +146,11 @@ def engine_dead(reason: str) -> APIError:
     return APIError(503, f"the engine is dead: {reason}", code="engine_dead")
 
 
+def request_failed(reason: str) -> APIError:
+    """A request the engine ended with finish reason "error", which is no OpenAI finish reason."""
+    return APIError(500, f"the request failed in the engine: {reason}", code="internal_error")
+
+
 DeltaHandler = Callable[[int, RequestOutput], Awaitable[None]]
 
 
@@ -154,7 +159,8 @@ class Generation:
     concurrently; every delta goes to ``on_delta(prompt_index, delta)``.
 
     :meth:`run` raises :class:`APIError` when the request cannot finish (engine dead, overloaded,
-    aborted by shutdown); anything ``on_delta`` raises (a write to a client that left) propagates.
+    aborted by shutdown, failed in the engine); anything ``on_delta`` raises (a write to a client
+    that left) propagates.
     """
 
     def __init__(self, state: APIState, request_id: str, prompts: list[list[int]], params: list[SamplingParams], *,
@@ -205,6 +211,9 @@ class Generation:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     timer.on_delta(delta)
+                    if delta.error is not None:
+                        outcome = "error"  # for its sequences still running, aborted on the way out
+                        raise request_failed(delta.error)
                     if any(seq.finish_reason == "abort" for seq in delta.outputs):
                         raise APIError(503, "the request was aborted by the server", code="aborted")
                     await on_delta(index, delta)

@@ -82,12 +82,13 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
     def _delta(self, sequence: _Sequence, output: EngineCoreOutput) -> SequenceDelta:
         detokenizer = sequence.detokenizer
         text = detokenizer.update(output.new_token_ids).new_text
-        finish_reason = output.finish_reason
+        finish_reason, error = output.finish_reason, output.error
         stop_reason: str | int | None = None
         if finish_reason is not None and detokenizer.stop_string is None:
             text += detokenizer.flush()  # may itself complete a stop string
         if detokenizer.stop_string is not None:
-            finish_reason, stop_reason = "stop", detokenizer.stop_string
+            # The text up to the stop string is a complete answer, whatever failed after it.
+            finish_reason, stop_reason, error = "stop", detokenizer.stop_string, None
         elif finish_reason == "stop" and output.new_token_ids:
             last = output.new_token_ids[-1]
             if last in sequence.params.stop_token_ids:
@@ -101,4 +102,5 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
             stop_reason=stop_reason,
             num_cached_tokens=output.num_cached_tokens,
             queue_time_s=output.queue_time_s,
+            error=error,
         )

@@ -108,7 +108,9 @@ class RequestHandle:
         changed = []
         for delta in batch:
             if delta.error is not None:
-                raise EngineDeadError(delta.error)
+                if delta.finish_reason is None:
+                    raise EngineDeadError(delta.error)
+                self._output.error = delta.error
             index = _child_index(delta.request_id)
             seq = self._output.outputs[index]
             seq.text += delta.new_text

@@ -111,6 +111,8 @@ class Scheduler:
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.error is not None:
+            logger.error("request %s: %s", request.request_id, request.error)
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -129,12 +131,18 @@ class Scheduler:
 
     @property
     def waiting_for_grammars(self) -> bool:
-        """Nothing can be scheduled until a grammar compiles: no request runs, and every waiting
-        one is a constrained request whose grammar is still compiling."""
+        """Nothing can be scheduled until a compile ends: no request runs, and no waiting one is ready
+        (each is constrained, and its grammar is compiling or failed and not yet taken by
+        :meth:`finish_failed_grammars`).
+
+        A request that is ready stays ready until it finishes, so when this is False the next
+        :meth:`schedule` admits someone; a compile that fails after this check cannot leave an idle
+        engine with a step that schedules nothing.
+        """
         grammars = self.structured_output
         if grammars is None or not grammars.num_compiling or self.running or not self.waiting:
             return False
-        return all(grammars.is_compiling(request.request_id) for request in self.waiting)
+        return not any(grammars.is_ready(request.request_id) for request in self.waiting)
 
     def wait_for_grammars(self, timeout_s: float) -> None:
         """Block until a pending compile finishes or ``timeout_s`` passes (run it in a thread)."""
@@ -148,9 +156,10 @@ class Scheduler:
             return []
         outputs = []
         for request_id, error in grammars.take_failures().items():
-            logger.error("request %s: %s", request_id, error)
-            self._finish(self.requests[request_id], RequestStatus.FINISHED_ERROR)
-            outputs.append(EngineCoreOutput(request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.finish_reason))
+            request = self.requests[request_id]
+            request.error = error
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason=request.status.finish_reason, error=error))
         return outputs
 
     def _grammar_ready(self, request: Request) -> bool:
@@ -168,15 +177,22 @@ class Scheduler:
         ]
         return grammars.grammar_bitmask(request_ids) if request_ids else None
 
-    def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
-        """Feed an accepted token to the request's matcher: stopped once the grammar is complete,
-        an error if the grammar refuses the token (it can when min_tokens masks the only allowed
-        token, the stop token)."""
+    def _active_grammars(self) -> StructuredOutputManager | None:
+        """The manager while some request has a matcher: checked once per step, so that the
+        unconstrained path pays nothing per token."""
         grammars = self.structured_output
-        if grammars is None or not grammars.is_constrained(request.request_id):
+        return grammars if grammars is not None and grammars.num_active else None
+
+    @staticmethod
+    def _advance_grammar(grammars: StructuredOutputManager, request: Request, token_id: int) -> RequestStatus | None:
+        """Feed an accepted token to the request's matcher: stopped once the grammar is complete,
+        an error (with ``request.error`` set) if the grammar refuses the token. It can: min_tokens
+        masks the stop token even when the complete grammar allows nothing else."""
+        if not grammars.is_constrained(request.request_id):
             return None
         if not grammars.accept_token(request.request_id, token_id):
-            logger.error("request %s: token %d does not match its grammar", request.request_id, token_id)
+            request.error = (f"the grammar does not allow the sampled token {token_id}; min_tokens or "
+                             "logit_bias may have masked every token it allows")
             return RequestStatus.FINISHED_ERROR
         return RequestStatus.FINISHED_STOPPED if grammars.is_terminated(request.request_id) else None
 
@@ -350,6 +366,7 @@ class Scheduler:
         """Append sampled tokens, apply stop checks, free what finished; returns the step's outputs."""
         outputs = []
         logprobs = runner_output.logprobs
+        grammars = self._active_grammars()
         for i, (request_id, token_id) in enumerate(
                 zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True)):
             request = self.requests.get(request_id)
@@ -357,7 +374,7 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             request.append_output_token(token_id)
             # The grammar's verdict first: a complete constrained output is a stop, even at max_tokens.
-            stop = self._advance_grammar(request, token_id)
+            stop = None if grammars is None else self._advance_grammar(grammars, request, token_id)
             if stop is None:
                 stop = request.check_stop()
             if stop is not None:
@@ -368,5 +385,6 @@ class Scheduler:
                 new_logprobs=None if logprobs is None else [logprobs[i]],
                 finish_reason=None if stop is None else stop.finish_reason,
                 num_cached_tokens=request.num_cached_tokens,
+                error=request.error,
             ))
         return outputs

@@ -161,11 +161,6 @@ class StructuredOutputManager:
         del self._compiling[request_id]
         return True
 
-    def is_compiling(self, request_id: str) -> bool:
-        """Whether the request's grammar is still being compiled."""
-        future = self._compiling.get(request_id)
-        return future is not None and not future.done()
-
     def take_failures(self) -> dict[str, str]:
         """Requests whose grammar failed to compile, with the error; they are forgotten here."""
         failed = {rid: f for rid, f in self._compiling.items() if f.done() and f.exception() is not None}
