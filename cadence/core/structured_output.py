@@ -80,6 +80,7 @@ def check_constraint(constraint: StructuredOutputsParams) -> None:
 @functools.lru_cache(maxsize=256)
 def _check_key(key: ConstraintKey) -> None:
     kind, spec = key
+    _xgrammar()  # first: without the extra, say so rather than fail on its other imports
     if kind == "json":
         _check_json_schema(json.loads(spec))
     try:
