@@ -83,7 +83,7 @@ def main() -> int:
         if args.save_cost_model:
             cost_model.save(args.save_cost_model)
 
-    limits = EngineLimits.from_engine_config(engine.config, engine.worker.num_blocks)
+    limits = EngineLimits.from_engine_config(engine.config, engine.core.executor.num_blocks)
     policy, options = engine.config.scheduler.policy, engine.config.scheduler.policy_options
     if args.request_rate is None:
         # The same requests all at once: the simulated engine's capacity for this mix.

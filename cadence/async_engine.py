@@ -115,7 +115,8 @@ class AsyncEngine:
             return
         tokenizer = load_tokenizer(config.model.path)
         hf_config = load_hf_config(config.model.path)
-        processes = [EngineCoreProcess(config, log_level, rank) for rank in range(config.parallel.data_parallel_size)]
+        processes = [EngineCoreProcess(config.for_data_parallel_rank(rank), log_level)
+                     for rank in range(config.parallel.data_parallel_size)]
         try:
             # All before the first await: the server relies on it for its signal handling.
             for process in processes:

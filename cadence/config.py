@@ -7,8 +7,9 @@ built, so nothing here is mutated afterwards.
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -96,23 +97,42 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_rank: int = 0  # which engine core this is; set per engine core by its launcher
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1,
                  f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         _require(self.data_parallel_size >= 1,
                  f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
+        _require(0 <= self.data_parallel_rank < self.data_parallel_size,
+                 f"data_parallel_rank must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank}")
         _require(self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
                  f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                  f"got {self.distributed_executor_backend!r}")
         _require(not (self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1),
                  "the uni executor runs one worker; use mp or ray for tensor_parallel_size > 1")
+        # Each engine core connects on its own: without an address, each would start a local Ray
+        # instance of its own, and they would compete for the same cores and GPUs.
+        _require(not (self.distributed_executor_backend == "ray" and self.data_parallel_size > 1
+                      and not os.environ.get("RAY_ADDRESS")),
+                 "data_parallel_size > 1 with the ray executor needs one Ray cluster for every engine core: "
+                 "start it (ray start --head) and set RAY_ADDRESS, or use --distributed-executor-backend mp")
 
     @property
     def executor_backend(self) -> str:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+    @property
+    def world_size_across_dp(self) -> int:
+        """Every worker of every engine core: what one machine's cores are shared among."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def device_index(self, tp_rank: int) -> int:
+        """The accelerator a rank of this engine core uses when every engine core's ranks share one
+        machine (the mp and uni executors): engine core ``d``'s ranks take devices ``d * tp`` on."""
+        return self.data_parallel_rank * self.tensor_parallel_size + tp_rank
 
 
 @dataclass(frozen=True)
@@ -144,11 +164,22 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
+    def for_data_parallel_rank(self, rank: int) -> EngineConfig:
+        """This configuration for engine core ``rank`` of ``data_parallel_size``."""
+        return replace(self, parallel=replace(self.parallel, data_parallel_rank=rank))
+
     def __post_init__(self) -> None:
         if not self.scheduler.enable_chunked_prefill:
             _require(self.scheduler.max_num_batched_tokens >= self.model.max_model_len,
                      f"without chunked prefill, max_num_batched_tokens ({self.scheduler.max_num_batched_tokens})"
                      f" must be at least max_model_len ({self.model.max_model_len}) so every prompt fits a step")
+
+
+def threads_per_rank(device: DeviceConfig, parallel: ParallelConfig) -> int:
+    """``--num-threads``, else an equal share of the machine's cores for each worker of every
+    engine core (tensor times data parallel): processes that each use every core run several
+    times slower than one."""
+    return device.num_threads or max(1, (os.cpu_count() or 1) // parallel.world_size_across_dp)
 
 
 def parse_memory(text: str | int) -> int:

@@ -93,6 +93,7 @@ async def test_random_frames_are_dropped_and_the_engine_keeps_serving(tiny_confi
 
 
 async def test_killing_the_engine_core_fails_in_flight_requests_quickly(tiny_config: object) -> None:
+    """The engine core is paused (SIGSTOP) before the requests come, so none can finish before the kill."""
     deaths: list[str] = []
     async with AsyncEngine.launch(tiny_config, on_dead=deaths.append) as engine:  # type: ignore[arg-type]
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -104,12 +105,15 @@ async def test_killing_the_engine_core_fails_in_flight_requests_quickly(tiny_con
             except EngineDeadError as exc:
                 errors.append(exc)
 
-        with anyio.fail_after(5):
+        pid = engine.engines[0].process.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        with anyio.fail_after(60):  # a hang guard only
             async with anyio.create_task_group() as group:
                 for _ in range(4):
                     group.start_soon(doomed)
-                await anyio.sleep(0.3)
-                os.kill(engine.engines[0].process.process.pid, signal.SIGKILL)
+                while engine.num_pending_requests < 4:
+                    await anyio.sleep(0.01)
+                os.kill(pid, signal.SIGKILL)
         assert len(errors) == 4 and all("exited with code -9" in str(e) for e in errors)
         assert not engine.is_healthy and deaths
         with pytest.raises(EngineDeadError):

@@ -1,12 +1,17 @@
 """The Ray executor on a local Ray instance (2 CPUs, one actor per rank): the same tokens as the mp
-executor, and a rank whose actor dies mid-generation fails the request and the engine."""
+executor, and a rank whose actor dies, mid-generation or while the engine is idle, fails the
+request and the engine."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 import ray
 
@@ -62,10 +67,17 @@ def test_ray_executor_picks_the_mp_executors_tokens(tiny: str) -> None:
         on_ray.engine.shutdown()
 
 
+def actor_pid(actor: Any) -> int:
+    return int(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())))
+
+
 def test_a_dead_ray_actor_fails_the_request_and_the_engine(tiny: str) -> None:
+    """Rank 1's actor is paused (SIGSTOP) before the request comes, so the request cannot finish;
+    it is killed once the first step is running."""
     llm = tp2(tiny, "ray")
     executor = llm.engine.core.executor
     assert isinstance(executor, RayExecutor)
+    victim = actor_pid(executor.actors[1])
     outcome: list[BaseException | None] = []
 
     def run() -> None:
@@ -75,16 +87,38 @@ def test_a_dead_ray_actor_fails_the_request_and_the_engine(tiny: str) -> None:
         except BaseException as exc:
             outcome.append(exc)
 
+    os.kill(victim, signal.SIGSTOP)
     thread = threading.Thread(target=run)
     thread.start()
-    while not llm.engine.scheduler.running and thread.is_alive():  # mid-generation
+    while not llm.engine.scheduler.running and thread.is_alive():  # the first step is running
         thread.join(0.01)
-    ray.kill(executor.actors[1])
+    os.kill(victim, signal.SIGKILL)
     thread.join(HANG_GUARD_S)
     try:
         assert not thread.is_alive(), "generation hung after a Ray actor died"
         assert isinstance(outcome[0], EngineDeadError)
         assert "worker rank" in str(outcome[0])
         assert llm.engine.dead is not None
+    finally:
+        llm.engine.shutdown()
+
+
+def test_an_actor_that_dies_while_the_engine_is_idle_fails_the_engine(tiny: str) -> None:
+    llm = tp2(tiny, "ray")
+    executor = llm.engine.core.executor
+    assert isinstance(executor, RayExecutor)
+    deaths: list[str] = []
+
+    async def run() -> None:
+        async with llm.engine.running(on_crash=deaths.append):
+            ray.kill(executor.actors[1])  # nothing runs
+            with anyio.fail_after(HANG_GUARD_S):  # a hang guard only: the watch pings every second
+                while not deaths:
+                    await anyio.sleep(0.05)
+
+    try:
+        anyio.run(run)
+        assert len(deaths) == 1 and "worker rank 1" in deaths[0]
+        assert llm.engine.dead == deaths[0]
     finally:
         llm.engine.shutdown()

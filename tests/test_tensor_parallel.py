@@ -1,6 +1,7 @@
-"""Tensor parallelism: the split arithmetic, the parallel layers against their unsharded equivalents
-(two gloo ranks), and whole engines: TP=2 over the mp executor picks TP=1's tokens, and a worker
-killed mid-generation fails the request and kills the engine instead of hanging."""
+"""Tensor parallelism: the split arithmetic, how ranks share a machine's devices and cores, the
+parallel layers against their unsharded equivalents (two gloo ranks), and whole engines: TP=2 over
+the mp executor picks TP=1's tokens, and a worker killed mid-generation fails the request and kills
+the engine instead of hanging."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import torch.multiprocessing
@@ -19,9 +21,10 @@ from tp_layer_check import check_layers
 from transformers import LlamaConfig
 
 from cadence import LLM, SamplingParams
+from cadence.config import ConfigError, DeviceConfig, ParallelConfig, threads_per_rank
 from cadence.core.actor import EngineDeadError
 from cadence.distributed import check_shardable, even_split, head_shard
-from cadence.distributed.group import ParallelGroup, free_port
+from cadence.distributed.group import ParallelGroup
 from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from cadence.executor.multiproc import MultiprocExecutor
 
@@ -59,6 +62,42 @@ def test_a_model_with_fewer_heads_than_ranks_is_refused_up_front() -> None:
         check_shardable(LlamaConfig(num_attention_heads=4, num_key_value_heads=2), 8)
 
 
+# ---- how ranks share a machine ----------------------------------------------------------------
+
+
+def test_each_engine_cores_ranks_take_their_own_devices() -> None:
+    """-dp 2 -tp 2 on one machine: engine core 0 on devices 0 and 1, engine core 1 on 2 and 3."""
+    indices = [ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=dp).device_index(tp)
+               for dp in range(2) for tp in range(2)]
+    assert indices == [0, 1, 2, 3]
+    assert ParallelConfig(data_parallel_size=3, data_parallel_rank=2).device_index(0) == 2  # uni executors
+
+
+def test_the_cores_are_split_among_every_rank_of_every_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    auto = DeviceConfig()
+    assert threads_per_rank(auto, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)) == 4
+    assert threads_per_rank(auto, ParallelConfig(tensor_parallel_size=4)) == 4
+    assert threads_per_rank(auto, ParallelConfig(data_parallel_size=32)) == 1  # never none
+    assert threads_per_rank(DeviceConfig(num_threads=3), ParallelConfig(tensor_parallel_size=2)) == 3
+
+
+def test_a_data_parallel_rank_outside_the_engine_cores_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data_parallel_rank must be in \[0, 2\)"):
+        ParallelConfig(data_parallel_size=2, data_parallel_rank=2)
+
+
+def test_data_parallel_ray_without_a_shared_cluster_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine core would start a local Ray instance of its own."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="set RAY_ADDRESS"):
+        ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, distributed_executor_backend="ray")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, distributed_executor_backend="ray")
+    monkeypatch.delenv("RAY_ADDRESS")
+    ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)  # mp: one machine, no cluster
+
+
 # ---- the parallel layers ----------------------------------------------------------------------
 
 
@@ -90,8 +129,8 @@ def test_each_layer_reads_only_its_shard_of_a_checkpoint_tensor() -> None:
     assert (gate.reads, down.reads, embed.reads) == ([(5, 6)], [(6, 5)], [(6, 6)])
 
 
-def test_parallel_layers_match_unsharded_ones_over_two_gloo_ranks() -> None:
-    torch.multiprocessing.spawn(check_layers, args=(2, f"tcp://127.0.0.1:{free_port('127.0.0.1')}"), nprocs=2)
+def test_parallel_layers_match_unsharded_ones_over_two_gloo_ranks(tmp_path: Path) -> None:
+    torch.multiprocessing.spawn(check_layers, args=(2, f"file://{tmp_path / 'rendezvous'}"), nprocs=2)
 
 
 # ---- whole engines ----------------------------------------------------------------------------
@@ -147,10 +186,13 @@ def test_tp2_over_gloo_picks_tp1_tokens_on_smollm2() -> None:
 
 
 def test_a_killed_worker_fails_the_request_and_the_engine(tiny_kv1: Path) -> None:
+    """Rank 1 is paused (SIGSTOP) before the request comes, so the request cannot finish, nor its
+    first step; it is killed once that step is running."""
     llm = LLM(model=str(tiny_kv1), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
     executor = llm.engine.core.executor
     assert isinstance(executor, MultiprocExecutor)
-    victim = executor.processes[1]
+    victim = executor.processes[1].pid
+    assert victim is not None
     outcome: list[BaseException | None] = []
 
     def run() -> None:
@@ -160,12 +202,12 @@ def test_a_killed_worker_fails_the_request_and_the_engine(tiny_kv1: Path) -> Non
         except BaseException as exc:
             outcome.append(exc)
 
+    os.kill(victim, signal.SIGSTOP)
     thread = threading.Thread(target=run)
     thread.start()
-    while not llm.engine.scheduler.running and thread.is_alive():  # mid-generation
+    while not llm.engine.scheduler.running and thread.is_alive():  # the first step is running
         thread.join(0.01)
-    assert victim.pid is not None
-    os.kill(victim.pid, signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     thread.join(HANG_GUARD_S)
     try:
         assert not thread.is_alive(), "generation hung after a worker died"
@@ -177,3 +219,26 @@ def test_a_killed_worker_fails_the_request_and_the_engine(tiny_kv1: Path) -> Non
     finally:
         llm.engine.shutdown()
     assert not any(process.is_alive() for process in executor.processes)
+
+
+def test_a_worker_that_dies_while_the_engine_is_idle_fails_the_engine(tiny_kv1: Path) -> None:
+    """No step runs: the executor's watch on the worker processes sees the death, not a step."""
+    llm = LLM(model=str(tiny_kv1), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+    executor = llm.engine.core.executor
+    assert isinstance(executor, MultiprocExecutor) and executor.processes[1].pid is not None
+    deaths: list[str] = []
+
+    async def run() -> None:
+        async with llm.engine.running(on_crash=deaths.append):
+            os.kill(executor.processes[1].pid, signal.SIGKILL)
+            with anyio.fail_after(HANG_GUARD_S):
+                while not deaths:
+                    await anyio.sleep(0.05)
+
+    try:
+        anyio.run(run)
+        assert len(deaths) == 1 and "worker rank 1" in deaths[0] and "SIGKILL" in deaths[0], deaths
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()

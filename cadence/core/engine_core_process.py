@@ -7,6 +7,10 @@ and watches the process: if it exits, every in-flight request fails at once.
 With data parallelism the server starts one such process per rank, each with its own sockets and
 KV cache and an equal share of the cores; each then also reports its prefix cache's changes with
 its outputs, for the router (see :mod:`cadence.core.dp_router`).
+
+The server stops an engine core with SIGTERM: the engine core ends its loop and stops its
+executor (the tensor-parallel workers, their sockets and rendezvous file, or the Ray actors and
+placement group) before it exits.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -28,7 +32,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from cadence.config import EngineConfig
+from cadence.config import EngineConfig, threads_per_rank
 from cadence.core.actor import Mailbox, run_actors
 from cadence.core.kv_allocator import AllBlocksCleared, BlockStored, KVAllocator, KVEvent
 from cadence.messages import (
@@ -41,8 +45,12 @@ from cadence.messages import (
     EngineDead,
     KVCacheDelta,
 )
+from cadence.processes import set_process_name
 from cadence.transport.forwarder import Forwarder
 from cadence.transport.zmq_channel import ZmqReceiveChannel, ZmqSendChannel
+
+if TYPE_CHECKING:
+    from cadence.core.engine import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -60,28 +68,23 @@ class EngineAddresses:
         return cls(input=f"ipc://{stem}-in", output=f"ipc://{stem}-out")
 
 
-def engine_core_main(config: EngineConfig, addresses: EngineAddresses, log_level: str, dp_rank: int = 0) -> None:
+def engine_core_main(config: EngineConfig, addresses: EngineAddresses, log_level: str) -> None:
     """The process's entry point; exits non-zero if the engine failed."""
     # Ctrl-C reaches the whole process group; the server decides when the engine core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _set_process_name(f"cadence-core-{dp_rank}")
+    # While starting, SIGTERM unwinds the start-up (an executor stops the workers it started);
+    # once serving, it ends the loop instead (see _stop_on_sigterm).
+    signal.signal(signal.SIGTERM, _exit_now)
+    dp_rank = config.parallel.data_parallel_rank
+    set_process_name(f"cadence-core-{dp_rank}")
     logging.basicConfig(level=log_level, format=f"%(levelname)s engine-core-{dp_rank} %(name)s: %(message)s")
-    torch.set_num_threads(num_threads(config))
+    torch.set_num_threads(threads_per_rank(config.device, config.parallel))
     ok = anyio.run(_serve, config, addresses)
     sys.exit(0 if ok else 1)
 
 
-def num_threads(config: EngineConfig) -> int:
-    """``--num-threads``, else an equal share of the cores among the data-parallel engine cores
-    (oversubscribing the cores slows every engine several times over)."""
-    return config.device.num_threads or max(1, (os.cpu_count() or 1) // config.parallel.data_parallel_size)
-
-
-def _set_process_name(name: str) -> None:
-    """Name the process as ``ps``/``top`` show it (Linux; at most 15 bytes), as vLLM names its
-    ``EngineCore_DP<rank>`` processes: one can tell the engine cores apart."""
-    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
-        comm.write(name[:15])
+def _exit_now(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 async def _serve(config: EngineConfig, addresses: EngineAddresses) -> bool:
@@ -96,6 +99,17 @@ async def _serve(config: EngineConfig, addresses: EngineAddresses) -> bool:
         logger.exception("engine core failed to start")
         await outputs.send(EngineDead(f"engine core failed to start: {type(exc).__name__}: {exc}"))
         return False
+    try:
+        return await _run(core, outputs, inputs)
+    finally:
+        # The server's SIGTERM (after a crash, or a second one) must not cut the clean-up short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        core.shutdown()
+
+
+async def _run(core: EngineCore, outputs: ZmqSendChannel[Any], inputs: ZmqReceiveChannel[Any]) -> bool:
+    """Run the engine core's actors until one crashes (False) or SIGTERM comes (True)."""
+    config = core.config
     publish_to: Mailbox[Any] = outputs
     if config.parallel.data_parallel_size > 1 and config.cache.enable_prefix_caching:
         core.allocator.enable_kv_events = True
@@ -110,8 +124,18 @@ async def _serve(config: EngineConfig, addresses: EngineAddresses) -> bool:
 
     await outputs.send(EngineCoreReady(num_blocks=core.executor.num_blocks, block_size=config.cache.block_size))
     logger.info("engine core ready: %d KV blocks", core.executor.num_blocks)
-    await run_actors([core_actor, executor, forwarder], on_crash)
+    async with anyio.create_task_group() as group:
+        group.start_soon(_stop_on_sigterm, group.cancel_scope)
+        await run_actors([core_actor, executor, forwarder], on_crash)
+        group.cancel_scope.cancel()
     return not crashed
+
+
+async def _stop_on_sigterm(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
 
 
 class _WithKVDelta:
@@ -153,13 +177,13 @@ def fold_kv_events(events: list[KVEvent]) -> KVCacheDelta | None:
 class EngineCoreProcess:
     """The server's handle on one engine-core process and its two channels."""
 
-    def __init__(self, config: EngineConfig, log_level: str = "WARNING", dp_rank: int = 0) -> None:
-        self.dp_rank = dp_rank
+    def __init__(self, config: EngineConfig, log_level: str = "WARNING") -> None:
+        self.dp_rank = dp_rank = config.parallel.data_parallel_rank
         self.addresses = EngineAddresses.fresh()
         # Not a daemon under the mp executor: daemons may not start processes, and that engine core
         # starts its tensor-parallel workers. shutdown() stops it either way; its workers exit with it.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=engine_core_main, args=(config, self.addresses, log_level, dp_rank),
+            target=engine_core_main, args=(config, self.addresses, log_level),
             name=f"cadence-engine-core-{dp_rank}", daemon=config.parallel.executor_backend != "mp")
         self._context = zmq.asyncio.Context()
         self.inputs: ZmqSendChannel[Any] = ZmqSendChannel(self._context, self.addresses.input, EngineCoreInput,
@@ -199,7 +223,8 @@ class EngineCoreProcess:
         await anyio.to_thread.run_sync(self.process.join, abandon_on_cancel=True)
         return self.process.exitcode
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM (the engine core stops its workers, within ``timeout_s``), else SIGKILL."""
         self.inputs.close()
         self.outputs.close()
         if self.process.is_alive():
@@ -209,3 +234,7 @@ class EngineCoreProcess:
                 self.process.kill()
                 self.process.join()
         self._context.term()
+        # The engine core's bound sockets' files: it exits without closing them.
+        for address in (self.addresses.input, self.addresses.output):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address.removeprefix("ipc://"))

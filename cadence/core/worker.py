@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 from transformers import PretrainedConfig
 
 from cadence.backends.registry import load_backend
-from cadence.config import CacheConfig, DeviceConfig, EngineConfig
+from cadence.config import CacheConfig, EngineConfig, threads_per_rank
 from cadence.core.model_runner import ModelRunner
 from cadence.core.sampler import Sampler, SamplerOutput, SamplingRow
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
@@ -32,14 +31,16 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 class Worker:
     """One rank's model, KV cache and model runner (the only rank under the uni executor).
 
-    ``local_rank`` picks the CUDA device on a machine with several (mp: the rank; Ray gives each
-    actor one visible GPU, so 0).
+    ``local_rank`` picks the CUDA device on a machine with several, counted from the configured
+    device's index (uni and mp: :meth:`ParallelConfig.device_index`; Ray gives each actor one
+    visible GPU, so 0).
     """
 
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, group: ParallelGroup = SINGLE_RANK,
                  local_rank: int = 0) -> None:
-        device = _rank_device(config.device.torch_device, group, local_rank)
-        _set_threads(config.device, group.world_size)
+        device = _rank_device(config.device.torch_device, local_rank)
+        if config.device.num_threads is not None or config.parallel.world_size_across_dp > 1:
+            torch.set_num_threads(threads_per_rank(config.device, config.parallel))
         # Unseeded sampling draws from the global generator (on rank 0, wherever that runs).
         torch.manual_seed(config.model.seed)
         dtype = config.model.torch_dtype
@@ -86,22 +87,12 @@ class BroadcastSampler(Sampler):
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=None)
 
 
-def _rank_device(device: torch.device, group: ParallelGroup, local_rank: int) -> torch.device:
-    if device.type != "cuda" or group.world_size == 1:
-        return device
-    rank_device = torch.device("cuda", local_rank)
+def _rank_device(device: torch.device, local_rank: int) -> torch.device:
+    if device.type != "cuda" or local_rank == 0:
+        return device  # as configured
+    rank_device = torch.device("cuda", (device.index or 0) + local_rank)
     torch.cuda.set_device(rank_device)
     return rank_device
-
-
-def _set_threads(device: DeviceConfig, world_size: int) -> None:
-    """Ranks on one machine split its cores unless told otherwise: two processes that each use
-    every core run several times slower than one."""
-    threads = device.num_threads
-    if threads is None and world_size > 1:
-        threads = max(1, (os.cpu_count() or 1) // world_size)
-    if threads is not None:
-        torch.set_num_threads(threads)
 
 
 def num_kv_blocks(cache: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -7,8 +7,9 @@ a single worker runs exactly the kernels it ran before tensor parallelism existe
 
 from __future__ import annotations
 
-import socket
+import datetime
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,20 +52,23 @@ class ParallelGroup:
 SINGLE_RANK = ParallelGroup()
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device) -> ParallelGroup:
-    """Join the group of ``world_size`` ranks that rendezvous at ``init_method`` (``tcp://host:port``).
+# How long the ranks may take to meet (they all start together; one missing by then has failed to
+# start), and how long a collective may then wait for a rank that stopped answering.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def init_tensor_parallel(rank: int, world_size: int, rendezvous: str | dist.Store,
+                         device: torch.device) -> ParallelGroup:
+    """Join the group of ``world_size`` ranks that meet at ``rendezvous``: an ``init_method`` URL
+    (``file://`` under mp) or a store (the Ray executor's ``TCPStore``, hosted by rank 0).
 
     Blocks until every rank has joined.
+
+    :raises RuntimeError: the others did not join within :data:`RENDEZVOUS_TIMEOUT`.
     """
     if world_size == 1:
         return SINGLE_RANK
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    where: dict[str, Any] = {"init_method": rendezvous} if isinstance(rendezvous, str) else {"store": rendezvous}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=RENDEZVOUS_TIMEOUT, **where)
     return ParallelGroup(rank, world_size, dist.group.WORLD)
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that was free a moment ago, for rank 0's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])

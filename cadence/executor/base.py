@@ -5,12 +5,16 @@ from __future__ import annotations
 import abc
 from concurrent.futures import ThreadPoolExecutor
 
+import anyio
+import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from cadence.config import EngineConfig
 from cadence.core.worker import Worker
+from cadence.distributed.group import init_tensor_parallel
 from cadence.distributed.partition import check_shardable
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
+from cadence.models.loader import load_hf_config
 
 
 class WorkerError(RuntimeError):
@@ -33,6 +37,15 @@ class Executor(abc.ABC):
         :raises WorkerError: a worker raised or died during the step.
         """
 
+    async def watch_workers(self) -> None:
+        """Wait (using no CPU, off the step path) for a worker to die while no step runs; never
+        returns. A death during a step fails that step instead, and is not reported here again.
+        This one waits forever: the uni executor's worker is the engine core's own process.
+
+        :raises WorkerError: naming the rank that died.
+        """
+        await anyio.sleep_forever()
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent); the executor is unusable afterwards."""
 
@@ -49,7 +62,8 @@ class UniExecutor(Executor):
 
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig) -> None:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="cadence-model")
-        self.worker = self._thread.submit(Worker, config, hf_config).result()
+        self.worker = self._thread.submit(Worker, config, hf_config,
+                                          local_rank=config.parallel.device_index(0)).result()
         self.num_blocks = self.worker.num_blocks
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -57,6 +71,13 @@ class UniExecutor(Executor):
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False)
+
+
+def start_worker(config: EngineConfig, rank: int, rendezvous: str | dist.Store, local_rank: int) -> Worker:
+    """One tensor-parallel rank's start-up, in a worker process or a Ray actor: join the group at
+    ``rendezvous``, then load this rank's shard and allocate its KV cache."""
+    group = init_tensor_parallel(rank, config.parallel.tensor_parallel_size, rendezvous, config.device.torch_device)
+    return Worker(config, load_hf_config(config.model.path), group, local_rank)
 
 
 def create_executor(config: EngineConfig, hf_config: PretrainedConfig) -> Executor:

@@ -1,27 +1,33 @@
 """The ``mp`` executor: one worker process per tensor-parallel rank, started and watched by the engine core.
 
-Each step is encoded once and published once on a ZMQ PUB socket that every rank subscribes to (an
-XPUB, so the executor knows when all have subscribed); the ranks run the forward together and
-rank 0 pushes back the sampled tokens. While it waits, the executor also watches every process's
+The ranks meet through a ``file://`` rendezvous on a fresh temporary path, so engine cores that
+start their workers at the same moment (data parallelism) cannot race for a TCP port. Each step
+is encoded once and published once on a ZMQ PUB socket that every rank subscribes to (an XPUB, so
+the executor knows when all have subscribed); the ranks run the forward together and rank 0
+pushes back the sampled tokens. While it waits, the executor also watches every process's
 sentinel: a rank that dies or raises fails the step at once with an error naming it, never a hang.
+Between steps, :meth:`MultiprocExecutor.watch_workers` waits on the same sentinels in the event
+loop, so a rank that dies while the engine is idle fails the engine at once too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import tempfile
+import threading
 import uuid
 import weakref
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 
+import anyio
 import zmq
 
 from cadence.config import EngineConfig
-from cadence.distributed.group import free_port
 from cadence.executor.base import Executor, WorkerError
 from cadence.executor.worker_process import WorkerAddresses, worker_main
 from cadence.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailed, WorkerReady, WorkerReply
@@ -44,7 +50,10 @@ class MultiprocExecutor(Executor):
         self.world_size = config.parallel.tensor_parallel_size
         stem = os.path.join(tempfile.gettempdir(), f"cadence-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         addresses = WorkerAddresses(steps=f"ipc://{stem}-steps", replies=f"ipc://{stem}-replies",
-                                    init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}")
+                                    init_method=f"file://{stem}-rendezvous")
+        # Held for each step, so that a death seen between steps is told apart from one a step saw.
+        self._stepping = threading.Lock()
+        self._failed = False
         self._context = zmq.Context()
         self._steps = self._context.socket(zmq.XPUB)
         self._steps.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per rank, not per topic
@@ -61,7 +70,8 @@ class MultiprocExecutor(Executor):
                           daemon=True)
             for rank in range(self.world_size)
         ]
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self._context)
+        files = [f"{stem}-{name}" for name in ("steps", "replies", "rendezvous")]
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self._context, files)
         try:
             for process in self.processes:
                 process.start()
@@ -71,12 +81,35 @@ class MultiprocExecutor(Executor):
             raise
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        with self._stepping:
+            try:
+                return self._run_step(step)
+            except WorkerError:
+                self._failed = True
+                raise
+
+    def _run_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._steps.send(self._step_codec.encode(step), copy=False)
-        while True:
-            reply = self._next_reply()
-            if isinstance(reply, ModelRunnerOutput):
-                return reply
-            raise WorkerError(f"unexpected {type(reply).__name__} from worker rank {reply.rank} during a step")
+        reply = self._next_reply()
+        if isinstance(reply, ModelRunnerOutput):
+            return reply
+        raise WorkerError(f"unexpected {type(reply).__name__} from worker rank {reply.rank} during a step")
+
+    async def watch_workers(self) -> None:
+        rank = await _first_exit(self.processes)
+        # A step running now sees the death too (it polls the sentinels), and fails with it.
+        error = await anyio.to_thread.run_sync(self._death_between_steps, rank)
+        if error is not None:
+            raise error
+        await anyio.sleep_forever()  # the step that saw it reports it
+
+    def _death_between_steps(self, rank: int) -> WorkerError | None:
+        """The error for ``rank``'s exit, unless a step already failed (and reported the death)."""
+        with self._stepping:
+            if self._failed:
+                return None
+            self._failed = True
+            return self._death(rank)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -154,7 +187,22 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _stop(processes: Sequence[BaseProcess], context: zmq.Context[zmq.Socket[bytes]]) -> None:
+async def _first_exit(processes: Sequence[BaseProcess]) -> int:
+    """The rank of the first worker process to exit (its sentinel polled by the event loop)."""
+    exited: list[int] = []
+    async with anyio.create_task_group() as group:
+
+        async def wait(rank: int, sentinel: int) -> None:
+            await anyio.wait_readable(sentinel)
+            exited.append(rank)
+            group.cancel_scope.cancel()
+
+        for rank, process in enumerate(processes):
+            group.start_soon(wait, rank, process.sentinel)
+    return exited[0]
+
+
+def _stop(processes: Sequence[BaseProcess], context: zmq.Context[zmq.Socket[bytes]], files: Sequence[str]) -> None:
     started = [process for process in processes if process.pid is not None]
     for process in started:
         if process.is_alive():
@@ -165,3 +213,8 @@ def _stop(processes: Sequence[BaseProcess], context: zmq.Context[zmq.Socket[byte
             process.kill()
             process.join()
     context.destroy(linger=0)
+    # The sockets' ipc files stay after they close; torch removes the rendezvous file when the last
+    # rank leaves cleanly, not when one was killed.
+    for path in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

@@ -2,22 +2,29 @@
 
 The executor connects to the cluster at ``RAY_ADDRESS`` (else to a local one, started if need be),
 reserves one bundle per rank (``{"GPU": 1}`` on CUDA, ``{"CPU": 1}`` on the CPU; PACK, so a group
-fills a machine before it spans several) and starts the actors in it. Rank 0 picks the
-torch.distributed rendezvous on its own node. Each step is encoded once and put in the object store
-once; every actor runs the same object, and rank 0's result is the step's output. A rank that
-raises or dies (its actor gone) fails the step with an error naming it.
+fills a machine before it spans several) and starts the actors in it. Rank 0 hosts the
+torch.distributed rendezvous (a ``TCPStore`` on a port the system gives it, so nothing can take the
+port in between) on its own node. Each step is encoded once and put in the object store once; every
+actor runs the same object, and rank 0's result is the step's output. A rank that raises or dies
+(its actor gone) fails the step with an error naming it; between steps, the executor pings the
+actors every :data:`WATCH_INTERVAL_S` seconds, so a rank that dies while the engine is idle fails
+the engine too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from typing import Any
 
+import anyio
+import torch.distributed as dist
+
 from cadence.config import EngineConfig
-from cadence.distributed.group import free_port, init_tensor_parallel
-from cadence.executor.base import Executor, WorkerError
+from cadence.distributed.group import RENDEZVOUS_TIMEOUT
+from cadence.executor.base import Executor, WorkerError, start_worker
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.transport.codec import Codec
 
@@ -25,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # How long the cluster may take to find room for the whole group (an autoscaler may add machines).
 PLACEMENT_TIMEOUT_S = 300.0
+# How often the actors are pinged while no step runs: a death is seen within about this long.
+WATCH_INTERVAL_S = 1.0
 
 
 class RayWorker:
@@ -37,23 +46,26 @@ class RayWorker:
         self._outputs: Codec[ModelRunnerOutput] = Codec(ModelRunnerOutput)
 
     def rendezvous_address(self) -> str:
-        """A ``tcp://`` address on this actor's node for the group to meet (asked of rank 0)."""
+        """Host a rendezvous on this actor's node for the group to meet at (asked of rank 0):
+        ``host:port`` of a store listening on a port the system chose."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        return f"tcp://{_url_host(ip)}:{free_port()}"
+        self._store = _store(ip, 0, self.config.parallel.tensor_parallel_size, is_master=True)
+        return f"{_url_host(ip)}:{self._store.port}"
 
-    def start(self, init_method: str) -> int:
+    def start(self, rendezvous: str) -> int:
         """Join the group, load this rank's shard, allocate its KV cache; the KV block count."""
-        from cadence.core.worker import Worker
-        from cadence.models.loader import load_hf_config
-
-        config = self.config
-        group = init_tensor_parallel(self.rank, config.parallel.tensor_parallel_size, init_method,
-                                     config.device.torch_device)
+        if self.rank != 0:
+            host, port = rendezvous.rsplit(":", 1)
+            self._store = _store(host.strip("[]"), int(port), self.config.parallel.tensor_parallel_size,
+                                 is_master=False)
         # Ray shows each actor only its own GPU, so it is always device 0.
-        self.worker = Worker(config, load_hf_config(config.model.path), group, local_rank=0)
+        self.worker = start_worker(self.config, self.rank, self._store, local_rank=0)
         return self.worker.num_blocks
+
+    def ping(self) -> None:
+        """Answers while the actor lives (the executor's watch between steps)."""
 
     def execute_model(self, frame: bytes) -> bytes | None:
         """Run one encoded step; rank 0 returns its encoded output, the others None."""
@@ -81,6 +93,9 @@ class RayExecutor(Executor):
         group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         self.actors: list[Any] = []
         self._finalizer = weakref.finalize(self, _release, ray, self.actors, group)
+        # Held for each step and each ping: the watch pings only between steps.
+        self._stepping = threading.Lock()
+        self._failed = False
         try:
             _wait_for_placement(ray, group, world_size, bundle)
             actor_class = ray.remote(RayWorker)
@@ -89,8 +104,8 @@ class RayExecutor(Executor):
                 options = actor_class.options(num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0,
                                               scheduling_strategy=strategy)
                 self.actors.append(options.remote(config, rank))
-            init_method = self._gather([self.actors[0].rendezvous_address.remote()])[0]
-            self.num_blocks = self._gather([actor.start.remote(init_method) for actor in self.actors])[0]
+            rendezvous = self._gather([self.actors[0].rendezvous_address.remote()])[0]
+            self.num_blocks = self._gather([actor.start.remote(rendezvous) for actor in self.actors])[0]
         except BaseException:
             self.shutdown()
             raise
@@ -98,9 +113,36 @@ class RayExecutor(Executor):
         self._outputs: Codec[ModelRunnerOutput] = Codec(ModelRunnerOutput)
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        frame = self._ray.put(self._codec.encode(step))  # serialised once, read by every rank
-        outputs = self._gather([actor.execute_model.remote(frame) for actor in self.actors])
+        with self._stepping:
+            frame = self._ray.put(self._codec.encode(step))  # serialised once, read by every rank
+            try:
+                outputs = self._gather([actor.execute_model.remote(frame) for actor in self.actors])
+            except WorkerError:
+                self._failed = True
+                raise
         return self._outputs.decode(outputs[0])
+
+    async def watch_workers(self) -> None:
+        while True:
+            await anyio.sleep(WATCH_INTERVAL_S)
+            error = await anyio.to_thread.run_sync(self._ping_between_steps)
+            if error is not None:
+                raise error
+
+    def _ping_between_steps(self) -> WorkerError | None:
+        """The error for a dead actor; None if all answer, a step is running (it sees a death
+        itself) or one already failed (and reported it)."""
+        if not self._stepping.acquire(blocking=False):
+            return None
+        try:
+            if not self._failed:
+                self._gather([actor.ping.remote() for actor in self.actors])
+        except WorkerError as error:
+            self._failed = True
+            return error
+        finally:
+            self._stepping.release()
+        return None
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -129,6 +171,10 @@ def _connect(ray: Any) -> None:
     address = os.environ.get("RAY_ADDRESS")
     logger.info("connecting to the Ray cluster at %s", address or "this machine (started if none runs)")
     ray.init(address=address)
+
+
+def _store(host: str, port: int, world_size: int, *, is_master: bool) -> dist.TCPStore:
+    return dist.TCPStore(host, port, world_size, is_master, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
 
 
 def _wait_for_placement(ray: Any, group: Any, world_size: int, bundle: dict[str, float]) -> None:

@@ -3,13 +3,13 @@
 The process joins the rank's ``torch.distributed`` group, loads its shard, reports ready, then runs
 every step the executor publishes. Rank 0 replies with the sampled tokens; a rank that raises
 reports the error and exits, so that the executor fails the step instead of the other ranks
-waiting in a collective forever. A worker whose parent (the engine core) is gone exits too.
+waiting in a collective forever. A worker whose parent (the engine core) is gone exits at once,
+whatever it is doing, starting up included.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import signal
 import sys
 from dataclasses import dataclass
@@ -18,9 +18,9 @@ import zmq
 
 from cadence.config import EngineConfig
 from cadence.core.worker import Worker
-from cadence.distributed.group import init_tensor_parallel
+from cadence.executor.base import start_worker
 from cadence.messages import SchedulerOutput, WorkerFailed, WorkerReady, WorkerReply
-from cadence.models.loader import load_hf_config
+from cadence.processes import exit_with_parent, set_process_name
 from cadence.transport.codec import Codec
 
 logger = logging.getLogger(__name__)
@@ -32,13 +32,15 @@ class WorkerAddresses:
 
     steps: str  # the executor publishes each step here, once, to every rank
     replies: str  # the workers push ready / rank 0's outputs / failures here
-    init_method: str  # the torch.distributed rendezvous (tcp://host:port)
+    init_method: str  # the torch.distributed rendezvous (file://PATH)
 
 
 def worker_main(config: EngineConfig, rank: int, addresses: WorkerAddresses) -> None:
     """The process's entry point; exits non-zero if the worker failed."""
+    exit_with_parent()
     # Ctrl-C reaches the whole process group; the engine core decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_process_name(f"cadence-tp-{config.parallel.data_parallel_rank}-{rank}")
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s worker-{rank} %(name)s: %(message)s")
     context = zmq.Context()
     steps = context.socket(zmq.SUB)
@@ -48,9 +50,7 @@ def worker_main(config: EngineConfig, rank: int, addresses: WorkerAddresses) -> 
     replies.connect(addresses.replies)
     codec: Codec[WorkerReply] = Codec(WorkerReply)
     try:
-        group = init_tensor_parallel(rank, config.parallel.tensor_parallel_size, addresses.init_method,
-                                     config.device.torch_device)
-        worker = Worker(config, load_hf_config(config.model.path), group, local_rank=rank)
+        worker = start_worker(config, rank, addresses.init_method, config.parallel.device_index(rank))
         replies.send(codec.encode(WorkerReady(rank, worker.num_blocks)))
         _serve(worker, rank, steps, replies, codec)
     except Exception as exc:
@@ -63,16 +63,9 @@ def worker_main(config: EngineConfig, rank: int, addresses: WorkerAddresses) -> 
 
 def _serve(worker: Worker, rank: int, steps: zmq.Socket[bytes], replies: zmq.Socket[bytes],
            codec: Codec[WorkerReply]) -> None:
-    parent = multiprocessing.parent_process()
-    assert parent is not None, "a worker runs in a child process"
-    poller = zmq.Poller()
-    poller.register(steps, zmq.POLLIN)
-    poller.register(parent.sentinel, zmq.POLLIN)
+    """Run every published step, forever (the executor, or the engine core's death, ends the process)."""
     step_codec: Codec[SchedulerOutput] = Codec(SchedulerOutput)
     while True:
-        events = dict(poller.poll())
-        if parent.sentinel in events:
-            return  # the engine core is gone, without stopping us (e.g. killed)
         output = worker.execute_model(step_codec.decode(steps.recv()))
         if rank == 0:
             replies.send(codec.encode(output))

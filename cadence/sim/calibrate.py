@@ -1,9 +1,10 @@
 """Calibration: time the real engine on a plan of workloads and fit the simulator's cost model.
 
 The engine runs as it serves (actors, detokenizer, streaming clients) while a thin wrapper around
-its worker records when each step starts and ends and what it computed. The simulator's clock
-advances by a step's whole cycle, model time plus the engine loop around it, so the fit's target
-is the time from one step's start to the next one's, taken while the engine stays busy.
+its executor (any of them: in process, or tensor-parallel workers) records when each step starts
+and ends and what it computed. The simulator's clock advances by a step's whole cycle, model time
+plus the engine loop around it, so the fit's target is the time from one step's start to the
+next one's, taken while the engine stays busy.
 
 The default plan covers the shapes a serving run produces in about a minute on SmolLM2 bf16 on
 two cores: decode batches from 1 to ``max_num_seqs`` over short and long contexts (long shared
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from cadence.config import threads_per_rank
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.sim.cost_model import CostModel, FitQuality, StepShape, fit_cost_model
 from cadence.sim.replay import replay
@@ -114,12 +116,12 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
     ]
 
 
-class _TimingWorker:
-    """Stands in for the executor: times each step and tracks its shape (the executor actor calls
-    it from a thread, one step at a time)."""
+class _TimingExecutor:
+    """Stands in for the engine's executor (any of them): times each step and tracks its shape (the
+    executor actor calls it from a thread, one step at a time)."""
 
-    def __init__(self, worker: Executor) -> None:
-        self.worker = worker
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
         self.tracker = ShapeTracker()
         self.steps: list[TimedStep] = []
         self.phase = 0
@@ -127,20 +129,23 @@ class _TimingWorker:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         shape, _ = self.tracker.step(out)
         start = time.perf_counter()
-        result = self.worker.execute_model(out)
+        result = self.executor.execute_model(out)
         self.steps.append(TimedStep(self.phase, start, time.perf_counter(), shape))
         return result
 
+    async def watch_workers(self) -> None:
+        await self.executor.watch_workers()
+
 
 @contextlib.contextmanager
-def timing(engine: Engine) -> Iterator[_TimingWorker]:
+def timing(engine: Engine) -> Iterator[_TimingExecutor]:
     """Time every step ``engine`` runs while the context is open (``timer.steps``)."""
-    timer = _TimingWorker(engine.core.executor)
+    timer = _TimingExecutor(engine.core.executor)
     engine.core.executor = cast("Executor", timer)
     try:
         yield timer
     finally:
-        engine.core.executor = timer.worker
+        engine.core.executor = timer.executor
 
 
 def time_steps(engine: Engine, plan: Sequence[Phase], seed: int = 0,
@@ -206,8 +211,11 @@ def _metadata(engine: Engine, num_steps: int, median_gap: float) -> dict[str, An
         "model_path": config.model.path,
         "dtype": config.model.dtype,
         "device": config.device.device,
-        "attention_backend": type(engine.worker.runner.backend).name,
-        "threads": torch.get_num_threads(),
+        "attention_backend": _attention_backend(engine),
+        # Each rank's: the workers of several ranks run in other processes, with their share.
+        "threads": torch.get_num_threads() if config.parallel.tensor_parallel_size == 1
+        else threads_per_rank(config.device, config.parallel),
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "torch": torch.__version__,
@@ -218,3 +226,13 @@ def _metadata(engine: Engine, num_steps: int, median_gap: float) -> dict[str, An
         "median_loop_gap_s": median_gap,
     }
 
+
+
+def _attention_backend(engine: Engine) -> str:
+    """The backend the workers chose: the same choice, made again here (they may be in other processes)."""
+    from cadence.backends.registry import load_backend
+    from cadence.models.llama import head_dim_of
+
+    config = engine.config
+    return load_backend(config.device.attention_backend, config.device.torch_device, config.model.torch_dtype,
+                        head_dim_of(engine.core.hf_config), config.cache.block_size).name
