@@ -83,3 +83,10 @@ def test_poisson_and_gamma_arrivals_have_the_asked_rate() -> None:
         cv = statistics.pstdev(delays) / statistics.fmean(delays)
         assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
     assert arrival_delays(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
+
+
+def test_an_initial_untimed_request_must_succeed_first(server: str) -> None:
+    target = ServeTarget(server, "/v1/completions", "m", None, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="initial test request"):
+        asyncio.run(run_load(target, [BenchRequest([1, 2], 2, 5)] * 2, ["fail", "hello"], request_rate=math.inf,
+                             burstiness=1.0, max_concurrency=None, seed=0, show_progress=False))

@@ -121,6 +121,10 @@ async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompt
         progress.update(1)
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        # As vllm bench serve does: one untimed request first, so the figures measure a warm server
+        # and a server that cannot answer at all fails loudly instead of reporting 100% failures.
+        if requests and not (await _stream_one(session, target, requests[0], prompts[0])).success:
+            raise RuntimeError(f"the initial test request to {target.base_url + target.endpoint} failed")
         start = time.perf_counter()
         tasks = []
         for request, prompt, delay in zip(requests, prompts, delays, strict=True):
