@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from cadence.backends.base import AttentionBackend
 from cadence.config import ConfigError
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
+from cadence.distributed.layers import pack_weights
 from cadence.models.llama import LlamaForCausalLM, model_class_for, sliding_window_of
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ def load_model(
     model.load_weights(_read_safetensors(files))
     model.eval()
     model.requires_grad_(False)
+    pack_weights(model)
     return model
 
 
