@@ -8,31 +8,15 @@ blocks, or a block reused while still cached or held, shows up as a token mismat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cadence.core.kv_allocator import AllBlocksCleared, BlockRemoved, BlockStored, KVAllocator, hash_block
+from cadence.core.testing import FakeRequest
 
 VOCAB = 3
 PICK = st.integers(0, 2**16)  # index into a sorted candidate list, modulo its length
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    num_prompt_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.all_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int) -> list[int]:

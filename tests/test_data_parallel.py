@@ -9,7 +9,6 @@ import os
 import random
 import signal
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from cadence.async_engine import AsyncEngine
 from cadence.core.dp_router import DataParallelRouter
 from cadence.core.engine_core_process import fold_kv_events
 from cadence.core.kv_allocator import KVAllocator, hash_block
+from cadence.core.testing import FakeRequest
 from cadence.engine_args import EngineArgs
 from cadence.llm import LLM
 from cadence.messages import KVCacheDelta
@@ -105,21 +105,6 @@ def test_removed_and_cleared_blocks_stop_attracting() -> None:
     assert r.matched_blocks([*PROMPT, 7]) == [2, 0]  # a hole ends the usable prefix
     r.apply(0, KVCacheDelta(stored=hashes[:1], removed=[], cleared=True))
     assert r.matched_blocks([*PROMPT, 7]) == [1, 0]
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    num_prompt_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.all_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def test_the_router_sees_what_the_allocator_caches() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from cadence.core.kv_allocator import (
@@ -13,21 +11,7 @@ from cadence.core.kv_allocator import (
     KVAllocator,
     hash_block,
 )
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    num_prompt_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.all_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+from cadence.core.testing import FakeRequest
 
 
 def admit(alloc: KVAllocator, req: FakeRequest, num_new: int | None = None) -> list[int] | None:
