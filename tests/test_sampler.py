@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from cadence.core.sampler import Sampler, SamplingRow
+from cadence.executor.sampler import Sampler, SamplingRow
 from cadence.sampling_params import SamplingParams
 
 V = 64

@@ -19,8 +19,8 @@ import torch
 import xgrammar
 
 from cadence import LLM, SamplingParams
-from cadence.core.sampler import apply_grammar_bitmask
 from cadence.core.structured_output import StructuredOutputManager, check_constraint
+from cadence.executor.sampler import apply_grammar_bitmask
 from cadence.messages import GrammarBitmask, SchedulerOutput
 from cadence.models.loader import load_tokenizer
 from cadence.sampling_params import StructuredOutputsParams

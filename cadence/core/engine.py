@@ -20,15 +20,15 @@ from cadence.config import EngineConfig
 from cadence.core.actor import Actor, EngineDeadError, Mailbox, run_actors
 from cadence.core.detokenizer_actor import DetokenizerActor
 from cadence.core.engine_core import EngineCoreActor
-from cadence.core.executor import ExecutorActor
 from cadence.core.kv_allocator import KVAllocator
 from cadence.core.request_manager import ModelLimits, RequestManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.step_timing import StepTiming
 from cadence.core.structured_output import StructuredOutputManager
-from cadence.core.worker import Worker
 from cadence.executor import Executor, create_executor
+from cadence.executor.actor import ExecutorActor
 from cadence.executor.base import UniExecutor
+from cadence.executor.worker import Worker
 from cadence.models.loader import load_hf_config, load_tokenizer
 from cadence.policies.base import PolicyContext
 from cadence.policies.loader import load_policy

@@ -6,7 +6,7 @@
   in a worker thread, off the engine loop, with a cache keyed by the constraint; it keeps one
   matcher per request, builds each step's token bitmask for the constrained rows that sample, and
   advances matchers with the tokens the scheduler accepts.
-- Worker: :func:`cadence.core.sampler.apply_grammar_bitmask` masks those rows' logits.
+- Worker: :func:`cadence.executor.sampler.apply_grammar_bitmask` masks those rows' logits.
 
 xgrammar (``cadence[structured]``) is imported on the first constrained request only: an engine
 that never sees one pays nothing for it.

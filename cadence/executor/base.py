@@ -10,9 +10,9 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from cadence.config import EngineConfig
-from cadence.core.worker import Worker
 from cadence.distributed.group import init_tensor_parallel
 from cadence.distributed.partition import check_shardable
+from cadence.executor.worker import Worker
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.models.loader import load_hf_config
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import zmq
 
 from cadence.config import EngineConfig
-from cadence.core.worker import Worker
 from cadence.executor.base import start_worker
+from cadence.executor.worker import Worker
 from cadence.messages import SchedulerOutput, WorkerFailed, WorkerReady, WorkerReply
 from cadence.processes import exit_with_parent, set_process_name
 from cadence.transport.codec import Codec

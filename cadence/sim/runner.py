@@ -1,6 +1,6 @@
 """The simulated model runner: takes the scheduler's steps exactly as the real runner does.
 
-It keeps the same persistent batch the real :class:`~cadence.core.model_runner.ModelRunner`
+It keeps the same persistent batch the real :class:`~cadence.executor.model_runner.ModelRunner`
 keeps (new requests arrive whole, running ones as deltas; finished and preempted ones are
 dropped), but only counts: how many tokens each request knows and how many are computed. A
 request whose scheduled tokens reach the end of what it knows "samples" a token; what that step

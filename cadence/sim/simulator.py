@@ -63,7 +63,7 @@ class EngineLimits:
         """The limits a real engine with ``config`` would have. Without ``num_kv_blocks`` the pool is
         sized from the model's config the way the worker sizes it (no weights are loaded)."""
         if num_kv_blocks is None:
-            from cadence.core.worker import num_kv_blocks as size_pool
+            from cadence.executor.worker import num_kv_blocks as size_pool
             from cadence.models.llama import head_dim_of
             from cadence.models.loader import load_hf_config
 

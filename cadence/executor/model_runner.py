@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from cadence.backends.base import AttentionBackend, BatchLayout
-from cadence.core.sampler import Sampler, SamplingRow, apply_grammar_bitmask
+from cadence.executor.sampler import Sampler, SamplingRow, apply_grammar_bitmask
 from cadence.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from cadence.sampling_params import SamplingParams
 

@@ -15,10 +15,10 @@ from transformers import PretrainedConfig
 
 from cadence.backends.registry import load_backend
 from cadence.config import CacheConfig, EngineConfig, threads_per_rank
-from cadence.core.model_runner import ModelRunner
-from cadence.core.sampler import Sampler, SamplerOutput, SamplingRow
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.partition import head_shard
+from cadence.executor.model_runner import ModelRunner
+from cadence.executor.sampler import Sampler, SamplerOutput, SamplingRow
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.models.llama import head_dim_of
 from cadence.models.loader import load_model
