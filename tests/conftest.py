@@ -98,3 +98,37 @@ def _one_torch_thread() -> None:
     """Tiny models: a second intra-op thread only adds synchronisation, and stalls badly on a busy
     machine. Tests of the real model ask for their threads explicitly (``LLM(num_threads=...)``)."""
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def kill_mid_generation() -> Callable[[Any, int], BaseException | None]:
+    """``kill(llm, pid) -> what generate raised``: a long greedy request runs in a thread while the
+    worker ``pid`` is paused (SIGSTOP) before it comes, so neither the request nor its first step
+    can finish; the worker is SIGKILLed once that step is running. Fails if generate then hangs."""
+    import os
+    import signal
+    import threading
+
+    from cadence import SamplingParams
+
+    def kill(llm: Any, pid: int) -> BaseException | None:
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                llm.generate([[5, 6, 7]], SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        os.kill(pid, signal.SIGSTOP)
+        thread = threading.Thread(target=run)
+        thread.start()
+        while not llm.engine.scheduler.running and thread.is_alive():  # the first step is running
+            thread.join(0.01)
+        os.kill(pid, signal.SIGKILL)
+        thread.join(300)  # a hang guard only
+        assert not thread.is_alive(), "generation hung after a worker died"
+        return outcome[0]
+
+    return kill

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -185,34 +184,16 @@ def test_tp2_over_gloo_picks_tp1_tokens_on_smollm2() -> None:
         tp2.engine.shutdown()
 
 
-def test_a_killed_worker_fails_the_request_and_the_engine(tiny_kv1: Path) -> None:
-    """Rank 1 is paused (SIGSTOP) before the request comes, so the request cannot finish, nor its
-    first step; it is killed once that step is running."""
+def test_a_killed_worker_fails_the_request_and_the_engine(tiny_kv1: Path, kill_mid_generation) -> None:
     llm = LLM(model=str(tiny_kv1), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
     executor = llm.engine.core.executor
     assert isinstance(executor, MultiprocExecutor)
     victim = executor.processes[1].pid
     assert victim is not None
-    outcome: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
-            outcome.append(None)
-        except BaseException as exc:
-            outcome.append(exc)
-
-    os.kill(victim, signal.SIGSTOP)
-    thread = threading.Thread(target=run)
-    thread.start()
-    while not llm.engine.scheduler.running and thread.is_alive():  # the first step is running
-        thread.join(0.01)
-    os.kill(victim, signal.SIGKILL)
-    thread.join(HANG_GUARD_S)
     try:
-        assert not thread.is_alive(), "generation hung after a worker died"
-        assert isinstance(outcome[0], EngineDeadError)
-        assert "worker rank 1" in str(outcome[0]) and "SIGKILL" in str(outcome[0])
+        error = kill_mid_generation(llm, victim)
+        assert isinstance(error, EngineDeadError)
+        assert "worker rank 1" in str(error) and "SIGKILL" in str(error)
         assert llm.engine.dead is not None
         with pytest.raises(EngineDeadError):
             llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)
