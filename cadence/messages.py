@@ -104,8 +104,7 @@ class ModelRunnerOutput(_Message):
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # aligned with request_ids when any asked
-    model_time_s: float = 0.0  # the whole execute_model call
-    forward_time_s: float = 0.0  # the model's forward pass within it
+    forward_time_s: float = 0.0  # the model's forward pass, for the engine's step timing
 
 
 class ExecutorFailed(_Message):

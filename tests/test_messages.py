@@ -22,7 +22,7 @@ EXAMPLES: list[msgspec.Struct] = [
         finished_request_ids=["r0"],
         preempted_request_ids=["r3"],
     ),
-    m.ModelRunnerOutput(7, ["r1", "r2"], [11, 12], [LOGPROBS, LOGPROBS], model_time_s=0.01),
+    m.ModelRunnerOutput(7, ["r1", "r2"], [11, 12], [LOGPROBS, LOGPROBS], forward_time_s=0.01),
     m.ExecutorFailed(7, "boom"),
     m.WorkerReady(rank=1, num_blocks=40),
     m.WorkerFailed(rank=1, error="RuntimeError: boom"),

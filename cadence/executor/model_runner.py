@@ -94,7 +94,6 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        start = time.perf_counter()
         self._update_states(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(scheduler_output.step_id, [], [])
@@ -107,8 +106,7 @@ class ModelRunner:
             # Host time: on the CPU the forward has finished here (a GPU's may still be running).
             forward_time = time.perf_counter() - forward_start
             if not inputs.sampled_states:  # only partial prefills this step
-                return ModelRunnerOutput(scheduler_output.step_id, [], [],
-                                         model_time_s=time.perf_counter() - start, forward_time_s=forward_time)
+                return ModelRunnerOutput(scheduler_output.step_id, [], [], forward_time_s=forward_time)
             if scheduler_output.grammar_bitmask is not None:
                 apply_grammar_bitmask(logits, [s.request_id for s in inputs.sampled_states],
                                       scheduler_output.grammar_bitmask)
@@ -120,7 +118,6 @@ class ModelRunner:
             request_ids=[s.request_id for s in inputs.sampled_states],
             sampled_token_ids=sampled.token_ids,
             logprobs=sampled.logprobs,
-            model_time_s=time.perf_counter() - start,
             forward_time_s=forward_time,
         )
 
