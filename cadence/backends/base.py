@@ -92,6 +92,11 @@ class AttentionBackend(abc.ABC):
         """Raise ``ValueError`` saying why this backend cannot serve this model dtype, head size or
         KV block size; the worker calls it at start-up, before loading weights."""
 
+    @classmethod
+    def prepare(cls, device: torch.device, dtype: torch.dtype) -> None:
+        """One-time set-up before the first step (building kernels); the worker calls it at start-up
+        so that no request waits for it."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -47,6 +47,7 @@ class Worker:
         head_dim = head_dim_of(hf_config)
         backend_cls = load_backend(config.device.attention_backend, device, dtype, head_dim,
                                    config.cache.block_size)
+        backend_cls.prepare(device, dtype)
         model = load_model(config.model.path, hf_config, dtype, device, backend_cls, group)
         num_kv_heads = model.num_kv_heads  # this rank's
         # Every rank sizes its pool for rank 0's KV heads (no rank holds more), so all ranks agree on
