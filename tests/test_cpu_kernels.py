@@ -1,5 +1,5 @@
-"""The C++ paged-decode kernel (``cadence/backends/csrc``) against naive fp32 attention, through the
-``sdpa`` backend that calls it, and the backend's torch-op path it replaces."""
+"""The C++ paged-attention kernels (``cadence/backends/csrc/paged_attention.cpp``) against naive fp32
+attention, through the ``sdpa`` backend that calls them, and the backend's torch-op path they replace."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.backends import sdpa_backend
-from cadence.backends.cpu_kernels import paged_decode_op
+from cadence.backends.cpu_kernels import cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend
 from cadence.backends.testing import PagedBatch, random_paged_batch, run_backend
 
@@ -43,7 +43,7 @@ def _check(batch: PagedBatch, atol: float) -> torch.Tensor:
 
 def test_kernel_builds_where_the_cpu_has_avx512() -> None:
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
-        assert paged_decode_op() is not None
+        assert cpu_ops() is not None
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -57,9 +57,9 @@ def test_decodes_match_naive_attention(dtype: torch.dtype, atol: float, heads: i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decodes_between_prefills_match_naive_attention(dtype: torch.dtype) -> None:
-    """Decodes that are not one contiguous run of rows, next to a fresh and a prefixed prefill."""
-    requests = [(40, 1), (0, 9), (7, 1), (20, 6), (3, 1)]
+def test_mixed_batch_matches_naive_attention(dtype: torch.dtype) -> None:
+    """Decodes between a fresh prefill, prefills over cached prefixes, and one longer than a block."""
+    requests = [(40, 1), (0, 9), (7, 1), (20, 6), (3, 1), (16, 16), (0, 37)]
     _check(random_paged_batch(requests, 6, 2, 32, 16, dtype, seed=1), atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
@@ -67,5 +67,95 @@ def test_torch_path_agrees_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
     """Where the kernel cannot run (no AVX-512, no compiler) the backend's torch ops give the same answer."""
     batch = random_paged_batch([(50, 1), (0, 4), (17, 1)], 9, 3, 64, 16, seed=2)
     with_kernel = _check(batch, atol=1e-5)
-    monkeypatch.setattr(sdpa_backend, "paged_decode_op", lambda: None)
+    monkeypatch.setattr(sdpa_backend, "cpu_ops", lambda: None)
     torch.testing.assert_close(_check(batch, atol=1e-5), with_kernel, atol=1e-5, rtol=0)
+
+
+# The layer ops (csrc/layer_ops.cpp) against the torch ops they replace in cadence/models/llama.py.
+
+def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _assert_within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal in fp32 up to summation order; in bf16 at most one unit in the last place apart."""
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+        return
+    ulp = torch.finfo(actual.dtype).eps * expected.float().abs().clamp_min(torch.finfo(actual.dtype).tiny)
+    assert bool(((actual.float() - expected.float()).abs() <= ulp * 1.01).all())
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 40])  # SmolLM2's, and one with a 16-wide tail
+def test_rms_norm_and_fused_add_match_torch(dtype: torch.dtype, hidden: int) -> None:
+    ops = cpu_ops()
+    gen = torch.Generator().manual_seed(hidden)
+    x, residual = (torch.randn(37, hidden, generator=gen).to(dtype) for _ in "xr")
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, weight, 1e-5)
+    _assert_within_one_ulp(out, _torch_norm(x, weight, 1e-5))
+    summed = residual + x
+    fused_residual = residual.clone()
+    ops.add_rms_norm(out, fused_residual, x, weight, 1e-5)
+    assert torch.equal(fused_residual, summed)
+    _assert_within_one_ulp(out, _torch_norm(summed, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 24])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
+    gate_up = (torch.randn(33, 2 * width, generator=torch.Generator().manual_seed(width)) * 4).to(dtype)
+    out = gate_up.new_empty(33, width)
+    cpu_ops().silu_and_mul(out, gate_up)
+    gate, up = gate_up.split(width, dim=-1)
+    _assert_within_one_ulp(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 40)])
+def test_rotary_embedding_rotates_q_and_k_in_place_like_transformers(dtype: torch.dtype, heads: int,
+                                                                      kv_heads: int, head_dim: int) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens, width = 21, (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=gen).to(dtype)
+    angles = torch.randn(50, head_dim // 2, generator=gen)
+    cos, sin = (torch.cat((f, f), -1).to(dtype) for f in (angles.cos(), angles.sin()))
+    positions = torch.randint(0, 50, (tokens,), generator=gen)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim).transpose(0, 1)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim).transpose(0, 1)
+    want_q, want_k = apply_rotary_pos_emb(q[None], k[None], cos[positions][None], sin[positions][None])
+    rotated = qkv.clone()
+    cpu_ops().rotary_embedding(rotated, positions, cos, sin, heads + kv_heads, head_dim)
+    got = rotated[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim).transpose(0, 1)
+    assert torch.equal(got[:heads], want_q[0]) and torch.equal(got[heads:], want_k[0])
+    assert torch.equal(rotated[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])  # v
+
+
+def test_generation_without_the_kernels_is_the_same(make_tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole model (norms, RoPE, SiLU, attention) on the kernels and on the torch-op fallback."""
+    from cadence import LLM, SamplingParams
+    from cadence.models import llama
+
+    folder = str(make_tiny_model("llama"))
+    prompts = [[5, 9, 60, 17], list(range(3, 44)), [7] * 20]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def run() -> list:
+        return [o.outputs[0] for o in LLM(model=folder, dtype="float32").generate(prompts, params, use_tqdm=False)]
+
+    fused = run()
+    monkeypatch.setattr(llama, "runs_kernels", lambda device, dtype: False)
+    monkeypatch.setattr(sdpa_backend, "cpu_ops", lambda: None)
+    plain = run()
+    for a, b in zip(fused, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close([p.logprobs[0] for p in a.logprobs], [p.logprobs[0] for p in b.logprobs],
+                                   atol=1e-5, rtol=0)

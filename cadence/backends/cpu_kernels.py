@@ -1,40 +1,51 @@
 """cadence's C++ CPU kernels (``csrc/``), compiled with torch's extension builder on first use.
 
-The build takes about 20 s once; torch caches it by source hash under ``TORCH_EXTENSIONS_DIR``
-(default ``~/.cache/torch_extensions``), so later processes load it in milliseconds. Where a kernel
-cannot run (no AVX-512, no C++ compiler, a failed build) :func:`paged_decode_op` returns None and
-the backends keep their torch-op path, after one warning that says why.
+``paged_attention.cpp`` reads decode attention straight from the paged KV cache; ``layer_ops.cpp``
+fuses a decoder layer's per-token ops (RMSNorm with its residual add, RoPE, SiLU-and-multiply).
+The build takes about 40 s once; torch caches it by source hash under ``TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``), so later processes load it in milliseconds. Where the
+kernels cannot run (no AVX-512, no C++ compiler, a failed build) :func:`cpu_ops` returns None and
+callers keep their torch-op path, after one warning that says why.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
-# The instruction sets the kernels use; the build targets exactly these, not the build machine.
-_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp")
+# The instruction sets the kernels use (the build targets exactly these, not the build machine); no
+# contraction of a multiply and an add into one FMA where torch rounds the product first.
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @functools.cache
-def paged_decode_op() -> Callable[..., None] | None:
-    """``torch.ops.cadence_cpu.paged_decode(out, q, k_cache, v_cache, block_table, seq_lens, scale)``
-    (see ``csrc/paged_attention_cpu.cpp``), or None where it cannot run here."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        logger.info("CPU paged-decode kernel off: the CPU lacks AVX-512 (%s)", torch.backends.cpu.get_cpu_capability())
+def cpu_ops() -> Any | None:
+    """``torch.ops.cadence_cpu`` (``paged_decode``, ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``,
+    ``rotary_embedding``; signatures in ``csrc/``), or None where the kernels cannot run here."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        logger.info("cadence CPU kernels off: the CPU lacks AVX-512 (%s); using torch ops", capability)
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
 
-        load_inline("cadence_cpu_kernels", cpp_sources=_SOURCE.read_text(), extra_cflags=_FLAGS,
-                    is_python_module=False)
+        load("cadence_cpu_kernels", sources=[str(_CSRC / name) for name in _SOURCES], extra_cflags=_FLAGS,
+             extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], is_python_module=False)
     except Exception as exc:  # a missing compiler or a failed build: the torch path still works
-        logger.warning("CPU paged-decode kernel unavailable, using torch ops instead: %s", exc)
+        logger.warning("cadence CPU kernels unavailable, using torch ops instead: %s", exc)
         return None
-    return torch.ops.cadence_cpu.paged_decode
+    return torch.ops.cadence_cpu
+
+
+def runs_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` on ``device`` go through the kernels (building them if needed)."""
+    return device.type == "cpu" and dtype in KERNEL_DTYPES and cpu_ops() is not None

@@ -1,16 +1,19 @@
-"""Attention over the paged KV cache with torch's ``scaled_dot_product_attention``.
+"""Attention over the paged KV cache: C++ kernels on CPUs with AVX-512, torch ops elsewhere.
 
 The reference backend and the CPU default. Each layer writes the step's K/V into the cache, then
-runs every decode (query length 1) of the batch at once, and each prefill (query length > 1) in its
-own SDPA call. On CPUs with AVX-512 the decodes go to a C++ kernel that reads K/V straight from the
-cache blocks (``cpu_kernels.py``: 3x faster at batch 64 here); elsewhere they are two batched
-matmuls over keys gathered block by block through the block table.
+attends. On CPUs with AVX-512 (bf16/fp32, head_dim a multiple of 16) both are C++ kernels
+(``csrc/paged_attention.cpp``): every query token, decode or prefill, attends to its own request's
+cached keys up to its position, read in place through the block table (3x faster than the torch
+path for a batch-64 decode step here, 5x for a 16-prompt prefill step). Elsewhere every decode
+(query length 1) of the batch runs at once as two batched matmuls over keys gathered block by
+block, and each prefill (query length > 1) in its own ``scaled_dot_product_attention`` call.
 Everything that does not change between layers (which requests decode, masks, cache blocks to
 gather) is worked out once per step.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.backends.base import AttentionBackend, BatchLayout
-from cadence.backends.cpu_kernels import paged_decode_op
+from cadence.backends.cpu_kernels import KERNEL_DTYPES, cpu_ops, runs_kernels
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,6 @@ class _Gather:
     """What to read back from the cache for one block size (the layout does not carry it; the cache does)."""
 
     decode_blocks: torch.Tensor | None  # [Bd * blocks per decode] int64, request-major
-    decode_block_table: torch.Tensor | None  # [Bd, blocks per decode] int64: the same blocks as rows
     # [1, Bd, 1, blocks per decode * block_size] fp32, -inf past each decode's context; None: no padding
     decode_bias: torch.Tensor | None
     prefill: tuple[torch.Tensor | None, ...]  # [seq_len] int64 slots per prefill with a cached prefix
@@ -56,7 +58,14 @@ class SDPAMetadata:
     decode_seq_lens: torch.Tensor  # [Bd] int64
     decode_seq_len: int  # longest decode context
     prefills: tuple[_Prefill, ...]
+    token_requests: torch.Tensor  # [T] int64: each query token's row of the block table
+    token_seq_lens: torch.Tensor  # [T] int64: each query token's position + 1 (the keys it sees)
     _gather: dict[int, _Gather] = field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def token_block_table(self) -> torch.Tensor:
+        """``[T, max_num_blocks]`` int64: each query token's block-table row, for the kernel."""
+        return self.block_table[self.token_requests]
 
     @property
     def num_decodes(self) -> int:
@@ -70,17 +79,16 @@ class SDPAMetadata:
         return cached
 
     def _compute_gather(self, block_size: int) -> _Gather:
-        table = blocks = bias = None
+        blocks = bias = None
         if self.num_decodes:
             num_blocks = -(-self.decode_seq_len // block_size)
-            table = self.block_table[self.decode_requests, :num_blocks]
-            blocks = table.flatten()
+            blocks = self.block_table[self.decode_requests, :num_blocks].flatten()
             bias = _padding_bias(self.decode_seq_lens, num_blocks * block_size)
         prefill = tuple(
             None if p.mask is None else _context_slots(self.block_table[p.request], p.seq_len, block_size)
             for p in self.prefills
         )
-        return _Gather(blocks, table, bias, prefill)
+        return _Gather(blocks, bias, prefill)
 
 
 def _padding_bias(seq_lens: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -111,8 +119,7 @@ class SDPABackend(AttentionBackend):
 
     @classmethod
     def prepare(cls, device: torch.device, dtype: torch.dtype) -> None:
-        if device.type == "cpu" and dtype in _KERNEL_DTYPES:
-            paged_decode_op()  # built once per machine (about 20 s), then loaded from torch's cache
+        runs_kernels(device, dtype)  # built once per machine (about 40 s), then loaded from torch's cache
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SDPAMetadata:
         query_start = layout.query_start_loc.tolist()
@@ -125,6 +132,11 @@ class SDPABackend(AttentionBackend):
             if n > 1
         )
         decode_seq_lens = [seq_lens[i] for i in decodes]
+        counts = layout.query_start_loc.diff().long()
+        token_requests = torch.repeat_interleave(torch.arange(len(query_lens)), counts)
+        # a token's position + 1: its request's context before the step, plus its index in the step
+        token_seq_lens = (layout.seq_lens.long() - counts)[token_requests] + (
+            torch.arange(layout.num_tokens) - layout.query_start_loc[:-1].long()[token_requests]) + 1
         return SDPAMetadata(
             slot_mapping=layout.slot_mapping.to(device=device, dtype=torch.int64),
             block_table=layout.block_table.to(device=device, dtype=torch.int64),
@@ -133,6 +145,8 @@ class SDPABackend(AttentionBackend):
             decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.int64, device=device),
             decode_seq_len=max(decode_seq_lens, default=0),
             prefills=prefills,
+            token_requests=token_requests.to(device),
+            token_seq_lens=token_seq_lens.to(device),
         )
 
     def forward(
@@ -145,6 +159,13 @@ class SDPABackend(AttentionBackend):
         metadata: object,
     ) -> torch.Tensor:
         meta = cast(SDPAMetadata, metadata)
+        ops = cpu_ops() if _kernel_reads(q, k_cache) else None
+        if ops is not None:
+            # Every token, decode or prefill, attends to its own request's cache up to its position.
+            ops.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            out = q.new_empty(q.shape)
+            ops.paged_attention(out, q, k_cache, v_cache, meta.token_block_table, meta.token_seq_lens, self.scale)
+            return out
         num_kv_heads, _, block_size, head_dim = k_cache.shape
         flat_k, flat_v = k_cache.view(num_kv_heads, -1, head_dim), v_cache.view(num_kv_heads, -1, head_dim)
         flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
@@ -152,7 +173,8 @@ class SDPABackend(AttentionBackend):
         gather = meta.gather(block_size)
         out = torch.empty_like(q)
         if gather.decode_blocks is not None:
-            self._decode_into(out, q, k_cache, v_cache, meta, gather)
+            rows = meta.decode_tokens
+            out[rows] = self._decode(q[rows], k_cache, v_cache, gather.decode_blocks, gather.decode_bias)
         for prefill, context in zip(meta.prefills, gather.prefill, strict=True):
             if context is None:
                 keys, values = k[prefill.tokens].transpose(0, 1), v[prefill.tokens].transpose(0, 1)
@@ -160,20 +182,6 @@ class SDPABackend(AttentionBackend):
                 keys, values = flat_k.index_select(1, context), flat_v.index_select(1, context)
             out[prefill.tokens] = self._prefill(q[prefill.tokens], keys, values, prefill.mask)
         return out
-
-    def _decode_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: SDPAMetadata, gather: _Gather) -> None:
-        rows, blocks, table = meta.decode_tokens, gather.decode_blocks, gather.decode_block_table
-        assert blocks is not None and table is not None  # the step has decodes
-        kernel = paged_decode_op() if _kernel_reads(q, k_cache) else None
-        if kernel is None:
-            out[rows] = self._decode(q[rows], k_cache, v_cache, blocks, gather.decode_bias)
-        elif isinstance(rows, slice):  # the decodes' rows of out are one contiguous view: write in place
-            kernel(out[rows], q[rows], k_cache, v_cache, table, meta.decode_seq_lens, self.scale)
-        else:
-            decoded = torch.empty_like(q[rows])
-            kernel(decoded, q[rows].contiguous(), k_cache, v_cache, table, meta.decode_seq_lens, self.scale)
-            out[rows] = decoded
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
@@ -203,12 +211,9 @@ class SDPABackend(AttentionBackend):
         return out.squeeze(0).transpose(0, 1)
 
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
-
-
 def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the C++ paged-decode kernel handles these tensors (CPU, bf16/fp32, head_dim a multiple of 16)."""
-    return (q.device.type == "cpu" and q.dtype in _KERNEL_DTYPES and q.dtype == k_cache.dtype
+    """Whether the C++ paged-attention kernels handle these tensors (CPU, bf16/fp32, head_dim a multiple of 16)."""
+    return (q.device.type == "cpu" and q.dtype in KERNEL_DTYPES and q.dtype == k_cache.dtype
             and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256)
 
 

@@ -17,6 +17,7 @@ from cadence.backends.registry import load_backend
 from cadence.config import CacheConfig, EngineConfig, threads_per_rank
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.partition import head_shard
+from cadence.executor.malloc_tuning import keep_freed_memory
 from cadence.executor.model_runner import ModelRunner
 from cadence.executor.sampler import Sampler, SamplerOutput, SamplingRow
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
@@ -39,6 +40,7 @@ class Worker:
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, group: ParallelGroup = SINGLE_RANK,
                  local_rank: int = 0) -> None:
         device = _rank_device(config.device.torch_device, local_rank)
+        keep_freed_memory()
         if config.device.num_threads is not None or config.parallel.world_size_across_dp > 1:
             torch.set_num_threads(threads_per_rank(config.device, config.parallel))
         # Unseeded sampling draws from the global generator (on rank 0, wherever that runs).

@@ -13,7 +13,8 @@ row-parallel o and down with an all-reduce) and its vocabulary rows (embedding a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cadence.backends.base import AttentionBackend
+from cadence.backends.cpu_kernels import cpu_ops, runs_kernels
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.layers import (
     CheckpointTensor,
@@ -46,6 +48,11 @@ _FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+
+def kernels() -> Any:
+    """The C++ CPU kernels, which a ``fused`` module was built to use (so they are loaded)."""
+    return cpu_ops()
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -86,27 +93,58 @@ def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
 
 
 class RMSNorm(nn.Module):
-    """Normalises in fp32 and casts back before the weight, exactly as ``LlamaRMSNorm``."""
+    """Normalises in fp32 and casts back before the weight, exactly as ``LlamaRMSNorm``.
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+    Given the residual stream too, it first adds ``x`` into it (``residual = x + residual``, in
+    place) and normalises the sum: the add that closes one sub-layer fused with the norm that opens
+    the next. ``fused`` runs both as one C++ kernel (``backends/csrc/layer_ops.cpp``).
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str, fused: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
         self.eps = eps
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            out = torch.empty_like(x)
+            kernels().rms_norm(out, x, self.weight, self.eps)
+            return out
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; the sum is written into ``residual``."""
+        if not self.fused:
+            residual = residual.add_(x)
+            return self(residual), residual
+        out = torch.empty_like(x)
+        kernels().add_rms_norm(out, residual, x, self.weight, self.eps)
+        return out, residual
+
+
+@dataclass(frozen=True)
+class StepRope:
+    """One step's RoPE input, shared by every layer: the positions, and their cos/sin rows
+    (``[T, 1, head_dim]``) unless the fused kernel reads the tables itself."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to ``max_position_embeddings``, in the model dtype."""
+    """cos/sin tables for every position up to ``max_position_embeddings``, in the model dtype;
+    ``fused`` rotates q and k in place with one C++ kernel (``backends/csrc/layer_ops.cpp``)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str, fused: bool) -> None:
         super().__init__()
+        self.fused = fused
         inv_freq, scale = rope_inv_freq(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
@@ -114,9 +152,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (table.cos() * scale).to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", (table.sin() * scale).to(device=device, dtype=dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, 1, head_dim]`` cos and sin, broadcasting over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def forward(self, positions: torch.Tensor) -> StepRope:
+        if self.fused:
+            return StepRope(positions, None, None)
+        return StepRope(positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
+    def rotate(self, qkv: torch.Tensor, rope: StepRope, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split fused ``[T, (H + 2 Hkv) * D]`` projections into q, k, v ``[T, heads, D]`` with q and
+        k rotated (views into ``qkv`` when fused)."""
+        num_tokens = qkv.shape[0]
+        q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+        if rope.cos is None or rope.sin is None:
+            kernels().rotary_embedding(qkv, rope.positions, self.cos, self.sin, num_heads + num_kv_heads, head_dim)
+            q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + kv_width], qkv[:, q_width + kv_width:]
+            return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+                    v.view(num_tokens, num_kv_heads, head_dim))
+        q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
+        q = _apply_rope(q.view(num_tokens, num_heads, head_dim), rope.cos, rope.sin)
+        k = _apply_rope(k.view(num_tokens, num_kv_heads, head_dim), rope.cos, rope.sin)
+        return q, k, v.view(num_tokens, num_kv_heads, head_dim)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +187,7 @@ class Attention(nn.Module):
     """This rank's attention heads (all of them at world size 1)."""
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool, o_bias: bool,
-                 group: ParallelGroup, dtype: torch.dtype, device: torch.device | str) -> None:
+                 group: ParallelGroup, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         heads = head_shard(config.num_attention_heads, config.num_key_value_heads, group.rank, group.world_size)
         self.num_heads = heads.q.size
@@ -142,57 +197,72 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], qkv_bias, dtype, device)
         self.o_proj = RowParallelLinear(q, config.hidden_size, o_bias, group, dtype, device)
         self.backend = backend
+        # Shared by every layer, not a submodule of each (its tables would be counted 30 times).
+        self._rotary = (rotary,)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: object) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q = _apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, rope: StepRope, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                attn_metadata: object) -> torch.Tensor:
+        q, k, v = self._rotary[0].rotate(self.qkv_proj(x), rope, self.num_heads, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
     """This rank's columns of the intermediate layer (all of them at world size 1)."""
 
     def __init__(self, config: PretrainedConfig, group: ParallelGroup, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, fused: bool) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         columns = even_split(config.intermediate_size, group.rank, group.world_size)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [columns, columns], bias, dtype, device)
         self.down_proj = RowParallelLinear(columns, config.hidden_size, bias, group, dtype, device)
         self.act = ACT2FN[config.hidden_act]
+        # SiLU and the multiply as one C++ kernel (backends/csrc/layer_ops.cpp)
+        self.fused = fused and config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.out_sizes, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            kernels().silu_and_mul(out, gate_up)
+            return self.down_proj(out)
+        gate, up = gate_up.split(self.gate_up_proj.out_sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """``h + attn(norm(h))``, then ``h + mlp(norm(h))``, with each residual add deferred into the
+    norm after it: a layer takes the previous layer's MLP output and the residual stream (None at
+    the first layer) and returns its own pair."""
+
     def __init__(self, config: PretrainedConfig, attention: Attention, mlp: MLP, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, fused: bool) -> None:
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: object) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn_metadata)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: StepRope,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                attn_metadata: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        x, residual = self.post_attention_layernorm.add_forward(
+            self.self_attn(x, rope, kv_cache, attn_metadata), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, layers: list[DecoderLayer], group: ParallelGroup,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, fused: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group, dtype, device)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -221,13 +291,16 @@ class LlamaForCausalLM(nn.Module):
         # Layers differ only in weights, so they share one backend object.
         self.attn_backend = backend_cls(heads.q.size, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         qkv_bias, o_bias = self._biases(hf_config)
+        # The per-token ops run as C++ kernels where they can (see backends/cpu_kernels.py).
+        fused = runs_kernels(torch.device(device), dtype)
+        self.rotary_emb = RotaryEmbedding(hf_config, dtype, device, fused)
         layers = [
-            DecoderLayer(hf_config, Attention(hf_config, self.attn_backend, qkv_bias, o_bias, group, dtype, device),
-                         MLP(hf_config, group, dtype, device), dtype, device)
+            DecoderLayer(hf_config, Attention(hf_config, self.attn_backend, qkv_bias, o_bias, group, self.rotary_emb,
+                                              dtype, device),
+                         MLP(hf_config, group, dtype, device, fused), dtype, device, fused)
             for _ in range(self.num_layers)
         ]
-        self.model = LlamaModel(hf_config, layers, group, dtype, device)
-        self.rotary_emb = RotaryEmbedding(hf_config, dtype, device)
+        self.model = LlamaModel(hf_config, layers, group, dtype, device, fused)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, group, dtype, device)
@@ -261,12 +334,13 @@ class LlamaForCausalLM(nn.Module):
         holds one ``(k_cache, v_cache)`` per layer; ``attn_metadata`` comes from this model's
         backend class's ``build_metadata`` for the same step.
         """
-        cos, sin = self.rotary_emb(positions)
-        h = self.model.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions)
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, attn_metadata)
+            h, residual = layer(h, residual, rope, kv_cache, attn_metadata)
         # The norm is per token and the LM head is the largest GEMM: run both on sampled rows only.
-        h = self.model.norm(h[logits_indices])
+        assert residual is not None  # every model has layers
+        h, _ = self.model.norm.add_forward(h[logits_indices], residual[logits_indices])
         return self._lm_head.logits(h).float()
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:

@@ -1,56 +1,27 @@
-// Decode attention read straight from the paged KV cache on x86 CPUs (AVX-512).
+// Attention read straight from the paged KV cache on x86 CPUs (AVX-512), and the store before it.
 //
-// One task per (sequence, KV head): the query heads that share the KV head are scored against the
-// sequence's keys block by block through its block-table row, softmaxed in fp32, and weighted into
-// the values. Keys and values are read once, with the next block prefetched, instead of being
+// Every query row (a decode's one token, or any token of a prefill) attends to the first seq_len
+// tokens of its block-table row: its request's cached context up to and including its own position,
+// so causal masking is just each row's length. One task per (row, KV head): the query heads that
+// share the KV head are scored against the keys block by block, softmaxed in fp32, and weighted into
+// the values. Keys and values are read in place, with the next block prefetched, instead of being
 // gathered into a contiguous copy first (which writes and rereads the whole context every layer).
 // Built on first use by cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
+
+#include "vec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-
-inline void store16(at::BFloat16* p, __m512 v) {
-  // Round to nearest even, as torch's float -> bfloat16 cast does (inputs here are finite).
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
-}
-
-// e^x for x <= 0 (scores minus their max), Cephes' expf polynomial: relative error ~1e-7.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-  return _mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n);
-}
+using namespace cadence;
 
 template <typename T>
 inline void prefetch_block(const T* p, int64_t bytes) {
@@ -65,6 +36,7 @@ struct Shape {
   int64_t block_size;
   int64_t head_stride;  // elements between KV heads in the cache: num_blocks * block_size * head_dim
   int64_t max_blocks;   // block-table row length
+  int64_t q_stride;     // elements between q's rows (tokens); heads and dims are dense
   float scale;
 };
 
@@ -136,60 +108,93 @@ void weigh(const Shape& s, const float* probs, const T* values, const int64_t* b
 }
 
 template <typename T>
-void decode(const Shape& s, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+void attend(const Shape& s, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens) {
-  const int64_t num_seqs = q.size(0), num_kv_heads = k_cache.size(0), dim = s.chunks * 16;
+  const int64_t num_rows = q.size(0), num_kv_heads = k_cache.size(0), dim = s.chunks * 16;
   const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t longest = *std::max_element(lens, lens + num_seqs);
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t longest = *std::max_element(lens, lens + num_rows);
+  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(s.group * dim), scores(s.group * longest), acc(s.group * dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, head = task % num_kv_heads, len = lens[seq];
-      const int64_t row = (seq * num_kv_heads + head) * s.group * dim;  // q and out are [seq][head][g][dim]
+      const int64_t r = task / num_kv_heads, head = task % num_kv_heads, len = lens[r];
+      const int64_t out_at = (r * num_kv_heads + head) * s.group * dim;  // out is [r][head][g][dim]
+      const T* q_row = q_ptr + r * s.q_stride + head * s.group * dim;
       const __m512 scale = _mm512_set1_ps(s.scale);
-      for (int64_t i = 0; i < s.group * dim; i += 16) _mm512_storeu_ps(&qf[i], _mm512_mul_ps(load16(q_ptr + row + i), scale));
-      const int64_t* blocks = table + seq * s.max_blocks;
+      for (int64_t i = 0; i < s.group * dim; i += 16) _mm512_storeu_ps(&qf[i], _mm512_mul_ps(load16(q_row + i), scale));
+      const int64_t* blocks = table + r * s.max_blocks;
       score(s, qf.data(), k_ptr + head * s.head_stride, blocks, len, scores.data());
       for (int64_t g = 0; g < s.group; ++g) softmax(scores.data() + g * len, len);
       weigh(s, scores.data(), v_ptr + head * s.head_stride, blocks, len, acc.data());
-      for (int64_t i = 0; i < s.group * dim; i += 16) store16(out_ptr + row + i, _mm512_loadu_ps(&acc[i]));
+      for (int64_t i = 0; i < s.group * dim; i += 16) store16(out_ptr + out_at + i, _mm512_loadu_ps(&acc[i]));
     }
   });
 }
 
-// out, q: [num_seqs, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim];
-// block_table: [num_seqs, max_blocks] int64; seq_lens: [num_seqs] int64, each >= 1.
-void paged_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+// out, q: [rows, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim];
+// block_table: [rows, max_blocks] int64; seq_lens: [rows] int64, each >= 1.
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode: tensors must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: out and the caches must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q's heads and dims must be dense");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
-              "paged_decode: block_table and seq_lens must be int64");
+              "paged_attention: block_table and seq_lens must be int64");
   const int64_t head_dim = q.size(2);
-  TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 256, "paged_decode: head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_decode: query heads must be a multiple of KV heads");
+  TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_attention: query heads must be a multiple of KV heads");
   if (q.size(0) == 0) return;
   const Shape s{q.size(1) / k_cache.size(0), head_dim / 16, k_cache.size(2),
-                k_cache.size(1) * k_cache.size(2) * head_dim, block_table.size(1), static_cast<float>(scale)};
+                k_cache.size(1) * k_cache.size(2) * head_dim, block_table.size(1), q.stride(0),
+                static_cast<float>(scale)};
   const at::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
-  if (q.scalar_type() == at::kBFloat16) {
-    decode<at::BFloat16>(s, out, q, k_cache, v_cache, table, lens);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode: bfloat16 or float32 only");
-    decode<float>(s, out, q, k_cache, v_cache, table, lens);
-  }
+  CADENCE_DISPATCH_FLOAT(q.scalar_type(), "paged_attention", [&] { attend<scalar_t>(s, out, q, k_cache, v_cache, table, lens); });
+}
+
+// k_cache[h, slot] = k[t, h] and v_cache[h, slot] = v[t, h] for slot = slot_mapping[t]: the step's new
+// keys and values written into the head-major caches [num_kv_heads, num_blocks * block_size, head_dim]
+// (viewed flat over blocks). k and v are [tokens, num_kv_heads, head_dim] with dense heads.
+void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "store_kv: the caches must be contiguous and alike");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
+              k.sizes() == v.sizes() && k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "store_kv: k and v must be [tokens, heads, head_dim] with dense heads, in the caches' dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0), "store_kv: int64 slot per token");
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
+  const int64_t head_stride = k_cache.numel() / k_cache.size(0), bytes = dim * k.element_size();
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t size = k.element_size();
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = (h * head_stride + slot[t] * dim) * size;
+        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * dim) * size, bytes);
+        std::memcpy(vc + dst, vp + (t * v.stride(0) + h * dim) * size, bytes);
+      }
+    }
+  });
 }
 
 }  // namespace
 
-TORCH_LIBRARY(cadence_cpu, m) {
-  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
+  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor seq_lens, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) { m.impl("paged_decode", paged_decode); }
+TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) {
+  m.impl("paged_attention", paged_attention);
+  m.impl("store_kv", store_kv);
+}

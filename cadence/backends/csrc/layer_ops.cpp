@@ -1,0 +1,169 @@
+// The per-token ops of a Llama decoder layer on x86 CPUs (AVX-512): RMSNorm (with the residual add
+// before it), RoPE and SiLU-and-multiply, each one pass over its rows instead of torch's op-by-op
+// chain (RMSNorm alone is seven ops with four full-size temporaries). Intermediates are rounded to
+// the storage type wherever Hugging Face's code stores one, so bfloat16 results match it op for op,
+// up to the summation order of RMSNorm's mean of squares. Built on first use by
+// cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+using namespace cadence;
+
+// Rows per task: enough elements that a thread's share outweighs waking it.
+int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), all in fp32 until the casts (LlamaRMSNorm).
+template <typename T>
+void norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load16(x + i, tail_mask(n - i));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 normed = round_to<T>(_mm512_mul_ps(load16(x + i, m), inv));
+    store16(out + i, _mm512_mul_ps(load16(weight + i, m), normed), m);
+  }
+}
+
+void check_rows(const at::Tensor& t, int64_t width, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == width && t.stride(1) == 1, what, ": expected rows of ", width,
+              " dense elements");
+}
+
+// out = RMSNorm(x) with `weight`; x and out are [tokens, hidden].
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_rows(x, n, "rms_norm x");
+  check_rows(out, n, "rms_norm out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be dense, of x's width and dtype");
+  CADENCE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) norm_row(o + r * out.stride(0), in + r * x.stride(0), w, n, static_cast<float>(eps));
+    });
+  });
+}
+
+// residual = T(x + residual); out = RMSNorm(residual): the add that closes one sub-layer fused with
+// the norm that opens the next.
+void add_rms_norm(const at::Tensor& out, const at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                  double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_rows(x, n, "add_rms_norm x");
+  check_rows(out, n, "add_rms_norm out");
+  check_rows(residual, n, "add_rms_norm residual");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n && residual.scalar_type() == x.scalar_type() &&
+              weight.scalar_type() == x.scalar_type(), "add_rms_norm: weight and residual must match x");
+  CADENCE_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* res = residual.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* res_row = res + r * residual.stride(0);
+        const scalar_t* in_row = in + r * x.stride(0);
+        for (int64_t i = 0; i < n; i += 16) {
+          const __mmask16 m = tail_mask(n - i);
+          store16(res_row + i, _mm512_add_ps(load16(in_row + i, m), load16(res_row + i, m)), m);
+        }
+        norm_row(o + r * out.stride(0), res_row, w, n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// out = T(silu(gate)) * up, where gate_up holds [gate | up] per row (the fused gate/up projection).
+void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  check_rows(gate_up, 2 * n, "silu_and_mul gate_up");
+  check_rows(out, n, "silu_and_mul out");
+  CADENCE_DISPATCH_FLOAT(gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const __m512 one = _mm512_set1_ps(1.0f);
+    at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = in + r * gate_up.stride(0);
+        scalar_t* out_row = o + r * out.stride(0);
+        for (int64_t i = 0; i < n; i += 16) {
+          const __mmask16 m = tail_mask(n - i);
+          const __m512 g = load16(gate + i, m);
+          const __m512 silu = round_to<scalar_t>(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+          store16(out_row + i, _mm512_mul_ps(silu, load16(gate + n + i, m)), m);
+        }
+      }
+    });
+  });
+}
+
+// In place on the first `num_heads` heads of each row of x ([tokens, >= num_heads * head_dim]):
+// x * cos + rotate_half(x) * sin at each token's position, as Hugging Face's apply_rotary_pos_emb.
+// cos and sin are [positions, head_dim] tables in x's dtype; positions must lie inside them.
+void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t num_heads, int64_t head_dim) {
+  const int64_t rows = x.size(0), half = head_dim / 2;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= num_heads * head_dim && head_dim % 2 == 0,
+              "rotary_embedding: x must be [tokens, >= num_heads * head_dim] with dense rows");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
+              cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary_embedding: cos and sin must be dense [positions, head_dim] tables of x's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == rows, "rotary_embedding: int64 positions per row");
+  const at::Tensor pos = positions.contiguous();
+  CADENCE_DISPATCH_FLOAT(x.scalar_type(), "rotary_embedding", [&] {
+    scalar_t* data = x.data_ptr<scalar_t>();
+    const scalar_t* cos_table = cos.data_ptr<scalar_t>();
+    const scalar_t* sin_table = sin.data_ptr<scalar_t>();
+    const int64_t* p = pos.data_ptr<int64_t>();
+    at::parallel_for(0, rows, grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* c = cos_table + p[r] * head_dim;
+        const scalar_t* s = sin_table + p[r] * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          scalar_t* head = data + r * x.stride(0) + h * head_dim;
+          for (int64_t i = 0; i < half; i += 16) {
+            const __mmask16 m = tail_mask(half - i);
+            const __m512 x1 = load16(head + i, m), x2 = load16(head + half + i, m);
+            const __m512 first = _mm512_sub_ps(round_to<scalar_t>(_mm512_mul_ps(x1, load16(c + i, m))),
+                                               round_to<scalar_t>(_mm512_mul_ps(x2, load16(s + i, m))));
+            const __m512 second = _mm512_add_ps(round_to<scalar_t>(_mm512_mul_ps(x2, load16(c + half + i, m))),
+                                                round_to<scalar_t>(_mm512_mul_ps(x1, load16(s + half + i, m))));
+            store16(head + i, first, m);
+            store16(head + half + i, second, m);
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("silu_and_mul", silu_and_mul);
+  m.impl("rotary_embedding", rotary_embedding);
+}
