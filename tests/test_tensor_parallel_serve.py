@@ -5,6 +5,7 @@ stopping it leaves no process or socket file behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -74,9 +75,16 @@ def events(lines: Iterator[str]) -> Iterator[Any]:
 def assert_stopped_cleanly(server: ServerProcess, processes: dict[str, int]) -> None:
     """Stop ``server``: none of its ``processes`` may outlive it, nor its engine cores' socket files."""
     server.stop()
-    alive = [name for name, pid in processes.items() if Path(f"/proc/{pid}").exists()
-             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
-    assert not alive, f"still running: {alive}"
+
+    def alive() -> list[str]:
+        return [name for name, pid in processes.items() if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+
+    # Helpers such as multiprocessing's resource tracker ("python") exit once they see their parent
+    # gone, a moment after it: wait for that (bounded by the hang guard), then name any survivor.
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not alive())
+    assert not alive(), f"still running: {alive()}"
     cores = [pid for name, pid in processes.items() if name.startswith("cadence-core-")]
     files = [path for pid in cores for path in Path(tempfile.gettempdir()).glob(f"cadence-*{pid}-*")]
     assert not files, files
