@@ -66,9 +66,10 @@ def test_greedy_is_argmax_and_logits_untouched(logits: torch.Tensor) -> None:
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.0, presence_penalty=1.5),
-                                    SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.7, seed=3)],
-                         ids=["argmax", "penalty", "logprobs", "sampled"])
+@pytest.mark.parametrize("params", [
+    GREEDY, SamplingParams(temperature=0.0, presence_penalty=1.5), SamplingParams(temperature=0.0, logprobs=2),
+    SamplingParams(temperature=0.7, seed=3),
+], ids=["argmax", "penalty", "logprobs", "sampled"])
 def test_bf16_logits_give_what_their_fp32_widening_gives(logits: torch.Tensor, params: SamplingParams) -> None:
     """The model hands over logits in its dtype; the sampler widens them only past a plain argmax."""
     low = logits.bfloat16()
