@@ -66,18 +66,6 @@ def test_greedy_is_argmax_and_logits_untouched(logits: torch.Tensor) -> None:
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("params", [
-    GREEDY, SamplingParams(temperature=0.0, presence_penalty=1.5), SamplingParams(temperature=0.0, logprobs=2),
-    SamplingParams(temperature=0.7, seed=3),
-], ids=["argmax", "penalty", "logprobs", "sampled"])
-def test_bf16_logits_give_what_their_fp32_widening_gives(logits: torch.Tensor, params: SamplingParams) -> None:
-    """The model hands over logits in its dtype; the sampler widens them only past a plain argmax."""
-    low = logits.bfloat16()
-    rows = [row(params, output=[int(low[0].argmax())])] * len(logits)
-    got, want = Sampler()(low, rows), Sampler()(low.float(), rows)
-    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
-
-
 def test_penalties_match_hand_computed_reference() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)

@@ -108,7 +108,6 @@ class ModelRunner:
             if not inputs.sampled_states:  # only partial prefills this step
                 return ModelRunnerOutput(scheduler_output.step_id, [], [], forward_time_s=forward_time)
             if scheduler_output.grammar_bitmask is not None:
-                logits = logits.float()
                 apply_grammar_bitmask(logits, [s.request_id for s in inputs.sampled_states],
                                       scheduler_output.grammar_bitmask)
             sampled = self.sampler(logits, [s.sampling_row() for s in inputs.sampled_states])

@@ -152,8 +152,6 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=None)
         plan = self._plan_for(rows, logits.shape[1], logits.device)
-        if plan.random is None and plan.logprobs_k is None and not _processes(rows, plan):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)  # any dtype: same argmax
         if logits.dtype != torch.float32:
             logits = logits.float()
         ws = self._workspace
@@ -300,23 +298,17 @@ def _min_tokens_mask_ids(params: SamplingParams, eos_token_id: int | None) -> li
 # ---- logit processing (all rows) -------------------------------------------------------------
 
 
-def _min_tokens_masks(rows: Sequence[SamplingRow], plan: _Plan) -> list[tuple[int, list[int]]]:
-    """(row, token ids to mask) for each row still short of its min_tokens."""
-    return [(i, ids) for i, min_tokens, ids in plan.min_tokens if ids and len(rows[i].output_token_ids) < min_tokens]
-
-
-def _processes(rows: Sequence[SamplingRow], plan: _Plan) -> bool:
-    """Whether any logit bias, min-tokens mask or penalty applies this step."""
-    return plan.bias is not None or plan.penalties is not None or bool(_min_tokens_masks(rows, plan))
-
-
 def _process_logits(
     logits: torch.Tensor, rows: Sequence[SamplingRow], plan: _Plan, ws: _Workspace
 ) -> torch.Tensor:
     """Logit bias, min-tokens mask, penalties. Returns ``logits`` itself when none applies."""
-    if not _processes(rows, plan):
+    masked = [
+        (i, ids)
+        for i, min_tokens, ids in plan.min_tokens
+        if ids and len(rows[i].output_token_ids) < min_tokens
+    ]
+    if plan.bias is None and not masked and plan.penalties is None:
         return logits
-    masked = _min_tokens_masks(rows, plan)
     # A private contiguous copy: the caller's logits stay untouched, and penalties use flat views.
     out = ws.take("processed", logits).copy_(logits)
     if plan.bias is not None:

@@ -328,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: object,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Run the step's ``T`` tokens; return logits ``[B, vocab]`` (model dtype) of the rows ``logits_indices``.
+        """Run the step's ``T`` tokens; return fp32 logits ``[B, vocab]`` of the rows ``logits_indices``.
 
         ``input_ids`` and ``positions`` are ``[T]`` int64 on the model's device; ``kv_caches``
         holds one ``(k_cache, v_cache)`` per layer; ``attn_metadata`` comes from this model's
@@ -341,8 +341,7 @@ class LlamaForCausalLM(nn.Module):
         # The norm is per token and the LM head is the largest GEMM: run both on sampled rows only.
         assert residual is not None  # every model has layers
         h, _ = self.model.norm.add_forward(h[logits_indices], residual[logits_indices])
-        # Model dtype: the sampler widens to fp32 only when it does more than a plain argmax.
-        return self._lm_head.logits(h)
+        return self._lm_head.logits(h).float()
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy Hugging Face-named tensors (this rank's shard of each) into the parameters,
