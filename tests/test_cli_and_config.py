@@ -53,6 +53,15 @@ def test_engine_args_build_the_config_tree(make_tiny_model: Callable[..., Path])
     assert config.scheduler.max_num_seqs == 8
 
 
+def test_the_token_budget_defaults_by_usage_and_yields_to_the_user(make_tiny_model: Callable[..., Path]) -> None:
+    folder = str(make_tiny_model("llama"))
+    budget = {usage: EngineArgs(model=folder, usage_context=usage).create_config().scheduler.max_num_batched_tokens
+              for usage in ("offline", "serving")}
+    assert budget == {"offline": 2048, "serving": 1024}
+    chosen = EngineArgs(model=folder, usage_context="serving", max_num_batched_tokens=4096).create_config()
+    assert chosen.scheduler.max_num_batched_tokens == 4096
+
+
 @pytest.mark.parametrize(("build", "message"), [
     (lambda: ModelConfig(path="m", dtype="float8", max_model_len=10), "dtype must be one of"),
     (lambda: CacheConfig(block_size=12), "block_size must be a power of two"),

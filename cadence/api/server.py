@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +95,7 @@ def run_server(ns: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     # As vLLM does: no `_created` series next to every counter and histogram.
     prometheus_client.disable_created_metrics()
-    config = engine_args_from(ns).create_config()
+    config = replace(engine_args_from(ns), usage_context="serving").create_config()
     if ns.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
     settings = ServerSettings(
