@@ -26,7 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default: 2048; 1024 for serve)")
+                   help="token budget of one step (default: 2048; 512 for serve)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts across steps to fit the token budget")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,

@@ -20,9 +20,9 @@ from cadence.models.loader import load_hf_config, max_model_len_of, resolve_mode
 # A step's token budget when none is set (with chunked prefill), by what the engine is for, as vLLM
 # picks its defaults by usage context. Offline, throughput peaks at 2048 here (8192: -13%). A server
 # takes new prompts in bursts, and smaller steps give the first of a burst its first token sooner:
-# 32 concurrent clients with 128-token prompts got TTFT p50 1,090 ms at 2048 and 659 ms at 1024,
-# for about 1% of output throughput (benchmarks/compare.py).
-DEFAULT_TOKEN_BUDGET: dict[str, int] = {"offline": 2048, "serving": 1024}
+# 32 concurrent clients with 128-token prompts got TTFT p50 1,090 ms at 2048, 659 ms at 1024 and
+# 318 ms at 512, for 1-2% of output throughput; p99 stays about 1.5 s (benchmarks/compare.py).
+DEFAULT_TOKEN_BUDGET: dict[str, int] = {"offline": 2048, "serving": 512}
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def test_the_token_budget_defaults_by_usage_and_yields_to_the_user(make_tiny_mod
     folder = str(make_tiny_model("llama"))
     budget = {usage: EngineArgs(model=folder, usage_context=usage).create_config().scheduler.max_num_batched_tokens
               for usage in ("offline", "serving")}
-    assert budget == {"offline": 2048, "serving": 1024}
+    assert budget == {"offline": 2048, "serving": 512}
     chosen = EngineArgs(model=folder, usage_context="serving", max_num_batched_tokens=4096).create_config()
     assert chosen.scheduler.max_num_batched_tokens == 4096
 
