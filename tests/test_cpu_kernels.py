@@ -57,10 +57,13 @@ def test_decodes_match_naive_attention(dtype: torch.dtype, atol: float, heads: i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_naive_attention(dtype: torch.dtype) -> None:
-    """Decodes between a fresh prefill, prefills over cached prefixes, and one longer than a block."""
-    requests = [(40, 1), (0, 9), (7, 1), (20, 6), (3, 1), (16, 16), (0, 37)]
-    _check(random_paged_batch(requests, 6, 2, 32, 16, dtype, seed=1), atol=1e-5 if dtype == torch.float32 else 2e-2)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(32, 16), (128, 5)])
+def test_mixed_batch_matches_naive_attention(dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    """Decodes between fresh prefills and prefills over cached prefixes, some longer than one
+    16-row tile, with keys chunked at block edges."""
+    requests = [(40, 1), (0, 9), (7, 1), (20, 6), (3, 1), (16, 16), (0, 37), (5, 17)]
+    _check(random_paged_batch(requests, 6, 2, head_dim, block_size, dtype, seed=1),
+           atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_torch_path_agrees_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

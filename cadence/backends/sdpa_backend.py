@@ -13,7 +13,6 @@ gather) is worked out once per step.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
@@ -61,11 +60,6 @@ class SDPAMetadata:
     token_requests: torch.Tensor  # [T] int64: each query token's row of the block table
     token_seq_lens: torch.Tensor  # [T] int64: each query token's position + 1 (the keys it sees)
     _gather: dict[int, _Gather] = field(default_factory=dict, compare=False, repr=False)
-
-    @functools.cached_property
-    def token_block_table(self) -> torch.Tensor:
-        """``[T, max_num_blocks]`` int64: each query token's block-table row, for the kernel."""
-        return self.block_table[self.token_requests]
 
     @property
     def num_decodes(self) -> int:
@@ -164,7 +158,8 @@ class SDPABackend(AttentionBackend):
             # Every token, decode or prefill, attends to its own request's cache up to its position.
             ops.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             out = q.new_empty(q.shape)
-            ops.paged_attention(out, q, k_cache, v_cache, meta.token_block_table, meta.token_seq_lens, self.scale)
+            ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.token_requests, meta.token_seq_lens,
+                                self.scale)
             return out
         num_kv_heads, _, block_size, head_dim = k_cache.shape
         flat_k, flat_v = k_cache.view(num_kv_heads, -1, head_dim), v_cache.view(num_kv_heads, -1, head_dim)

@@ -14,9 +14,13 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -29,7 +33,8 @@ inline void prefetch_block(const T* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// Sizes of one call, fixed across its tasks.
+// Sizes of one call, fixed across its tasks; passed by value, so that stores through float pointers
+// cannot alias them and loops keep them in registers.
 struct Shape {
   int64_t group;        // query heads per KV head
   int64_t chunks;       // head_dim / 16
@@ -42,7 +47,7 @@ struct Shape {
 
 // Scores of `group` query rows (fp32, pre-scaled, [group][head_dim]) against `seq_len` keys.
 template <typename T>
-void score(const Shape& s, const float* q, const T* keys, const int64_t* blocks, int64_t seq_len,
+void score(const Shape s, const float* q, const T* keys, const int64_t* blocks, int64_t seq_len,
            float* scores /* [group][seq_len] */) {
   const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim;
   __m512 k[16];
@@ -87,7 +92,7 @@ void softmax(float* row, int64_t n) {
 
 // out[g] = sum_t probs[g][t] * v[t] for the `group` rows, accumulated in fp32.
 template <typename T>
-void weigh(const Shape& s, const float* probs, const T* values, const int64_t* blocks, int64_t seq_len,
+void weigh(const Shape s, const float* probs, const T* values, const int64_t* blocks, int64_t seq_len,
            float* acc /* [group][head_dim] */) {
   const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim;
   std::fill(acc, acc + s.group * dim, 0.0f);
@@ -107,43 +112,184 @@ void weigh(const Shape& s, const float* probs, const T* values, const int64_t* b
   }
 }
 
+// Rows attended together: consecutive query rows of one request (a prefill chunk), at most this many.
+constexpr int64_t kTileRows = 16;
+
+// rows [first, first + count) of one request, at consecutive positions.
+struct Tile {
+  int64_t first;
+  int64_t count;
+};
+
+std::vector<Tile> tiles_of(const int64_t* requests, const int64_t* lens, int64_t num_rows) {
+  std::vector<Tile> tiles;
+  for (int64_t r = 0; r < num_rows;) {
+    int64_t n = 1;
+    while (r + n < num_rows && n < kTileRows && requests[r + n] == requests[r] && lens[r + n] == lens[r] + n) ++n;
+    tiles.push_back({r, n});
+    r += n;
+  }
+  return tiles;
+}
+
+// Per-thread working memory, sized for the largest task of the call. Every buffer starts on a 64-byte
+// line: full-width loads that straddle two lines cost twice (decode attention ran 25% slower).
+class Scratch {
+ public:
+  Scratch(const Shape s, int64_t longest) {
+    const int64_t dim = s.chunks * 16, queries = kTileRows * s.group;
+    const int64_t sizes[] = {queries * dim, queries * longest, queries * dim, dim * 16, 16 * dim};
+    int64_t total = 0;
+    for (const int64_t size : sizes) total += (size + 15) / 16 * 16;
+    arena_.reset(static_cast<float*>(std::aligned_alloc(64, total * sizeof(float))));
+    TORCH_CHECK(arena_ != nullptr, "paged_attention: out of memory for scratch buffers");
+    float* next = arena_.get();
+    float** buffers[] = {&q, &scores, &acc, &keys_t, &values};
+    for (int i = 0; i < 5; ++i) {
+      *buffers[i] = next;
+      next += (sizes[i] + 15) / 16 * 16;
+    }
+  }
+
+  float* q;       // [queries][head_dim], pre-scaled
+  float* scores;  // [queries][keys]
+  float* acc;     // [queries][head_dim]
+  float* keys_t;  // [head_dim][16]: one key chunk, transposed
+  float* values;  // [16][head_dim]: one value chunk
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> arena_;
+};
+
+// acc[0:16C] += sum_t probs[t] * values[t][0:16C] over n rows of fp32 values, accumulators in registers.
+template <int C>
+void accumulate(float* acc, const float* probs, const float* values, int64_t n) {
+  __m512 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + c * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 p = _mm512_set1_ps(probs[t]);
+    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values + t * C * 16 + c * 16), a[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
+}
+
+using Accumulate = void (*)(float*, const float*, const float*, int64_t);
+
+template <int... C>
+constexpr std::array<Accumulate, sizeof...(C)> accumulators(std::integer_sequence<int, C...>) {
+  return {&accumulate<C + 1>...};
+}
+
+// The tile's queries ([rows * group][head_dim], pre-scaled fp32; query j is row j / group) against the
+// keys one 16-key chunk at a time: the chunk is transposed to [head_dim][16], so a query's 16 scores
+// are head_dim FMAs with no horizontal sums, and each chunk's values serve every query of the tile.
+// Row i sees first_len + i keys. Writes the tile's outputs (fp32) to scratch.acc.
 template <typename T>
-void attend(const Shape& s, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-            const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens) {
+void attend_tile(const Shape s, Scratch& w, int64_t rows, int64_t first_len, const T* keys, const T* values,
+                 const int64_t* blocks) {
+  static constexpr auto kAccumulate = accumulators(std::make_integer_sequence<int, 16>{});
+  const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim, queries = rows * s.group;
+  const int64_t longest = first_len + rows - 1;
+  std::fill(w.acc, w.acc + queries * dim, 0.0f);
+  for (int pass = 0; pass < 2; ++pass) {  // 0: scores, then softmax; 1: weighted values
+    for (int64_t first = 0; first < longest;) {
+      const int64_t in_block = first % s.block_size;
+      const int64_t n = std::min({int64_t{16}, s.block_size - in_block, longest - first});
+      const T* src = (pass == 0 ? keys : values) + blocks[first / s.block_size] * block_elems + in_block * dim;
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t c = 0; c < s.chunks; ++c) {
+          const __m512 v = load16(src + t * dim + c * 16);
+          if (pass == 1) {
+            _mm512_storeu_ps(w.values + t * dim + c * 16, v);
+          } else {
+            alignas(64) float lane[16];
+            _mm512_store_ps(lane, v);
+            for (int i = 0; i < 16; ++i) w.keys_t[(c * 16 + i) * 16 + t] = lane[i];
+          }
+        }
+      }
+      for (int64_t j = 0; j < queries; ++j) {
+        const int64_t len = first_len + j / s.group;
+        if (first >= len) continue;
+        float* row_scores = w.scores + j * longest;
+        if (pass == 0) {
+          const float* q = w.q + j * dim;
+          __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int64_t d = 0; d < dim; d += 4) {
+            for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + u]), _mm512_load_ps(w.keys_t + (d + u) * 16), acc[u]);
+          }
+          const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+          _mm512_mask_storeu_ps(row_scores + first, tail_mask(std::min(n, len - first)), sum);
+        } else {
+          kAccumulate[s.chunks - 1](w.acc + j * dim, row_scores + first, w.values, std::min(n, len - first));
+        }
+      }
+      first += n;
+    }
+    if (pass == 0) {
+      for (int64_t j = 0; j < queries; ++j) softmax(w.scores + j * longest, first_len + j / s.group);
+    }
+  }
+}
+
+template <typename T>
+void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+            const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& row_requests,
+            const at::Tensor& seq_lens) {
   const int64_t num_rows = q.size(0), num_kv_heads = k_cache.size(0), dim = s.chunks * 16;
+  const int64_t heads = num_kv_heads * s.group;
   const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* requests = row_requests.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t longest = *std::max_element(lens, lens + num_rows);
-  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(s.group * dim), scores(s.group * longest), acc(s.group * dim);
+  const std::vector<Tile> tiles = tiles_of(requests, lens, num_rows);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(s, longest);
+    const __m512 scale = _mm512_set1_ps(s.scale);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / num_kv_heads, head = task % num_kv_heads, len = lens[r];
-      const int64_t out_at = (r * num_kv_heads + head) * s.group * dim;  // out is [r][head][g][dim]
-      const T* q_row = q_ptr + r * s.q_stride + head * s.group * dim;
-      const __m512 scale = _mm512_set1_ps(s.scale);
-      for (int64_t i = 0; i < s.group * dim; i += 16) _mm512_storeu_ps(&qf[i], _mm512_mul_ps(load16(q_row + i), scale));
-      const int64_t* blocks = table + r * s.max_blocks;
-      score(s, qf.data(), k_ptr + head * s.head_stride, blocks, len, scores.data());
-      for (int64_t g = 0; g < s.group; ++g) softmax(scores.data() + g * len, len);
-      weigh(s, scores.data(), v_ptr + head * s.head_stride, blocks, len, acc.data());
-      for (int64_t i = 0; i < s.group * dim; i += 16) store16(out_ptr + out_at + i, _mm512_loadu_ps(&acc[i]));
+      const Tile tile = tiles[task / num_kv_heads];
+      const int64_t head = task % num_kv_heads, len = lens[tile.first];
+      const int64_t* blocks = table + requests[tile.first] * s.max_blocks;
+      for (int64_t i = 0; i < tile.count; ++i) {  // the tile's queries, scaled: [row][g][dim]
+        const T* q_row = q_ptr + (tile.first + i) * s.q_stride + head * s.group * dim;
+        for (int64_t e = 0; e < s.group * dim; e += 16) {
+          _mm512_store_ps(w.q + i * s.group * dim + e, _mm512_mul_ps(load16(q_row + e), scale));
+        }
+      }
+      if (tile.count == 1) {  // a decode: stream the context once for the group's heads
+        score(s, w.q, k_ptr + head * s.head_stride, blocks, len, w.scores);
+        for (int64_t g = 0; g < s.group; ++g) softmax(w.scores + g * len, len);
+        weigh(s, w.scores, v_ptr + head * s.head_stride, blocks, len, w.acc);
+      } else {
+        attend_tile(s, w, tile.count, len, k_ptr + head * s.head_stride, v_ptr + head * s.head_stride, blocks);
+      }
+      for (int64_t i = 0; i < tile.count; ++i) {  // out is [row][head][dim]
+        T* out_row = out_ptr + ((tile.first + i) * heads + head * s.group) * dim;
+        for (int64_t e = 0; e < s.group * dim; e += 16) store16(out_row + e, _mm512_load_ps(w.acc + i * s.group * dim + e));
+      }
     }
   });
 }
 
 // out, q: [rows, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim];
-// block_table: [rows, max_blocks] int64; seq_lens: [rows] int64, each >= 1.
+// block_table: [requests, max_blocks] int64; row_requests: [rows] int64, each row's request;
+// seq_lens: [rows] int64, the keys each row sees (its position + 1), at least 1.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+                     const at::Tensor& block_table, const at::Tensor& row_requests, const at::Tensor& seq_lens,
+                     double scale) {
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: out and the caches must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q's heads and dims must be dense");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
-              "paged_attention: block_table and seq_lens must be int64");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+              row_requests.scalar_type() == at::kLong, "paged_attention: block_table, row_requests, seq_lens: int64");
+  TORCH_CHECK(row_requests.numel() == q.size(0) && seq_lens.numel() == q.size(0), "paged_attention: one entry per row");
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_attention: query heads must be a multiple of KV heads");
@@ -151,8 +297,9 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const Shape s{q.size(1) / k_cache.size(0), head_dim / 16, k_cache.size(2),
                 k_cache.size(1) * k_cache.size(2) * head_dim, block_table.size(1), q.stride(0),
                 static_cast<float>(scale)};
-  const at::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
-  CADENCE_DISPATCH_FLOAT(q.scalar_type(), "paged_attention", [&] { attend<scalar_t>(s, out, q, k_cache, v_cache, table, lens); });
+  const at::Tensor table = block_table.contiguous(), requests = row_requests.contiguous(), lens = seq_lens.contiguous();
+  CADENCE_DISPATCH_FLOAT(q.scalar_type(), "paged_attention",
+                         [&] { attend<scalar_t>(s, out, q, k_cache, v_cache, table, requests, lens); });
 }
 
 // k_cache[h, slot] = k[t, h] and v_cache[h, slot] = v[t, h] for slot = slot_mapping[t]: the step's new
@@ -191,7 +338,7 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor seq_lens, float scale) -> ()");
+        "Tensor row_requests, Tensor seq_lens, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) {
