@@ -3,8 +3,9 @@
 The reference backend and the CPU default. Each layer writes the step's K/V into the cache, then
 attends. On CPUs with AVX-512 (bf16/fp32, head_dim a multiple of 16) both are C++ kernels
 (``csrc/paged_attention.cpp``): every query token, decode or prefill, attends to its own request's
-cached keys up to its position, read in place through the block table (3x faster than the torch
-path for a batch-64 decode step here, 5x for a 16-prompt prefill step). Elsewhere every decode
+cached keys up to its position, read in place through the block table (SmolLM2 here: 11.7 ms per
+batch-64 decode step against 31 ms for the torch path, 57 ms per 2,048-token prefill step against
+145-190 ms for per-prompt SDPA). Elsewhere every decode
 (query length 1) of the batch runs at once as two batched matmuls over keys gathered block by
 block, and each prefill (query length > 1) in its own ``scaled_dot_product_attention`` call.
 Everything that does not change between layers (which requests decode, masks, cache blocks to

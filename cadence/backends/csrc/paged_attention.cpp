@@ -1,11 +1,16 @@
 // Attention read straight from the paged KV cache on x86 CPUs (AVX-512), and the store before it.
 //
 // Every query row (a decode's one token, or any token of a prefill) attends to the first seq_len
-// tokens of its block-table row: its request's cached context up to and including its own position,
-// so causal masking is just each row's length. One task per (row, KV head): the query heads that
-// share the KV head are scored against the keys block by block, softmaxed in fp32, and weighted into
-// the values. Keys and values are read in place, with the next block prefetched, instead of being
-// gathered into a contiguous copy first (which writes and rereads the whole context every layer).
+// tokens of its request's block-table row: its cached context up to and including its own position,
+// so causal masking is just each row's length. Keys and values are read in place through the block
+// table instead of being gathered into a contiguous copy first (which writes and rereads the whole
+// context every layer). Tasks are (rows, KV head), where the query heads sharing the KV head go
+// together:
+// - a decode row streams its context once: scores by dot products, an fp32 softmax, weighted values,
+//   with the next block prefetched (memory-bound);
+// - up to 16 consecutive rows of a prefill form a tile that walks the keys in 16-key chunks, each
+//   transposed once so that a query's 16 scores are head_dim FMAs, and each value chunk serves every
+//   query of the tile (compute-bound).
 // Built on first use by cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
 
 #include <ATen/Parallel.h>
