@@ -95,7 +95,9 @@ void softmax(float* row, int64_t n) {
   if (tail) _mm512_mask_storeu_ps(row + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + full), inv));
 }
 
-// out[g] = sum_t probs[g][t] * v[t] for the `group` rows, accumulated in fp32.
+// out[g] = sum_t probs[g][t] * v[t] for the `group` rows, accumulated in fp32. The block walk repeats
+// score()'s on purpose: shared through a lambda, decode attention ran 25% slower (9.4 -> 12 ms per
+// batch-64 step of 30 layers) as GCC stopped keeping the loop's values in registers.
 template <typename T>
 void weigh(const Shape s, const float* probs, const T* values, const int64_t* blocks, int64_t seq_len,
            float* acc /* [group][head_dim] */) {
