@@ -2,7 +2,7 @@
 
 ``paged_attention.cpp`` reads decode attention straight from the paged KV cache; ``layer_ops.cpp``
 fuses a decoder layer's per-token ops (RMSNorm with its residual add, RoPE, SiLU-and-multiply).
-The build takes about 40 s once; torch caches it by source hash under ``TORCH_EXTENSIONS_DIR``
+The build takes about 10 s once here; torch caches it by source hash under ``TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``), so later processes load it in milliseconds. Where the
 kernels cannot run (no AVX-512, no C++ compiler, a failed build) :func:`cpu_ops` returns None and
 callers keep their torch-op path, after one warning that says why.
