@@ -162,16 +162,14 @@ class RotaryEmbedding(nn.Module):
         """Split fused ``[T, (H + 2 Hkv) * D]`` projections into q, k, v ``[T, heads, D]`` with q and
         k rotated (views into ``qkv`` when fused)."""
         num_tokens = qkv.shape[0]
-        q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
-        if rope.cos is None or rope.sin is None:
+        q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=-1)
+        q = q.view(num_tokens, num_heads, head_dim)
+        k = k.view(num_tokens, num_kv_heads, head_dim)
+        v = v.view(num_tokens, num_kv_heads, head_dim)
+        if rope.cos is None or rope.sin is None:  # rotates q and k in place, through the views
             kernels().rotary_embedding(qkv, rope.positions, self.cos, self.sin, num_heads + num_kv_heads, head_dim)
-            q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + kv_width], qkv[:, q_width + kv_width:]
-            return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-                    v.view(num_tokens, num_kv_heads, head_dim))
-        q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
-        q = _apply_rope(q.view(num_tokens, num_heads, head_dim), rope.cos, rope.sin)
-        k = _apply_rope(k.view(num_tokens, num_kv_heads, head_dim), rope.cos, rope.sin)
-        return q, k, v.view(num_tokens, num_kv_heads, head_dim)
+            return q, k, v
+        return _apply_rope(q, rope.cos, rope.sin), _apply_rope(k, rope.cos, rope.sin), v
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
