@@ -1,4 +1,6 @@
-"""Prepacked oneDNN weights for bf16 CPU models: the same numbers as F.linear, bit for bit."""
+"""Prepacked GEMM weights for bf16 CPU models: cadence's AVX512-BF16 GEMM (``csrc/bf16_linear.cpp``),
+exact to the instruction's arithmetic, and oneDNN's packed layout where it is missing, bit for bit
+F.linear."""
 
 from __future__ import annotations
 
@@ -7,19 +9,72 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.distributed import even_split
+from cadence.backends.cpu_kernels import cpu_ops
+from cadence.distributed import even_split, layers
 from cadence.distributed.group import SINGLE_RANK
 from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pack_weights
 
 needs_bf16_onednn = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                                        reason="this CPU has no oneDNN bf16 GEMM, so nothing is packed")
+needs_bf16_gemm = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().bf16_linear_supported(),
+                                     reason="this CPU has no AVX512-BF16")
 
 
-def _layers(dtype: torch.dtype) -> nn.ModuleList:
+def _dot_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` as VDPBF16PS computes it: per output, an fp32 sum that adds the exact
+    product of features 2p+1 then of 2p for each pair p in turn; the bias last; one rounding to bf16."""
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for p in range(x.shape[1] // 2):
+        acc = acc + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
+        acc = acc + xf[:, 2 * p, None] * wf[None, :, 2 * p]
+    return (acc if bias is None else acc + bias.float()).bfloat16()
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 67])  # tiles of 8 rows, their tails; prefetching from 8 rows
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 2), (47, 64), (48, 576), (301, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_is_exactly_the_instructions_arithmetic(rows: int, out_features: int, in_features: int,
+                                                          with_bias: bool) -> None:
+    ops = cpu_ops()
+    torch.manual_seed(rows * out_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    got = ops.bf16_linear(x, ops.pack_bf16_linear(weight), bias, out_features)
+    assert got.shape == (rows, out_features)
+    assert torch.equal(got, _dot_bf16(x, weight, bias))
+
+
+@needs_bf16_gemm
+def test_bf16_gemm_reads_strided_and_misaligned_rows() -> None:
+    ops = cpu_ops()
+    weight = torch.randn(100, 32, dtype=torch.bfloat16)
+    packed = ops.pack_bf16_linear(weight)
+    wide = torch.randn(10, 70, dtype=torch.bfloat16)
+    for x in (wide[:, :32], wide[:, 1:33], wide[::2, 4:36]):  # padded rows, odd offset, skipped rows
+        assert torch.equal(ops.bf16_linear(x, packed, None, 100), _dot_bf16(x, weight, None))
+
+
+@needs_bf16_gemm
+def test_bf16_gemm_rejects_what_it_cannot_read() -> None:
+    ops = cpu_ops()
+    packed = ops.pack_bf16_linear(torch.randn(50, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.bf16_linear(torch.randn(3, 30, dtype=torch.bfloat16), packed, None, 50)
+    with pytest.raises(RuntimeError, match="pack_bf16_linear of 200 rows"):
+        ops.bf16_linear(torch.randn(3, 32, dtype=torch.bfloat16), packed, None, 200)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.bf16_linear(torch.randn(3, 32, dtype=torch.bfloat16), packed, torch.zeros(50), 50)
+
+
+def _layers(dtype: torch.dtype, in_features: int = 24) -> nn.ModuleList:
     torch.manual_seed(0)
-    column = ColumnParallelLinear(24, [even_split(40, 0, 1), even_split(8, 0, 1)], True, dtype, "cpu")
-    row = RowParallelLinear(even_split(48, 0, 1), 24, False, SINGLE_RANK, dtype, "cpu")
-    vocab = VocabParallelEmbedding(37, 24, SINGLE_RANK, dtype, "cpu")
+    # 40 + 13 output rows: one full 48-column panel and a partial one
+    column = ColumnParallelLinear(in_features, [even_split(40, 0, 1), even_split(13, 0, 1)], True, dtype, "cpu")
+    row = RowParallelLinear(even_split(48, 0, 1), in_features, False, SINGLE_RANK, dtype, "cpu")
+    vocab = VocabParallelEmbedding(37, in_features, SINGLE_RANK, dtype, "cpu")
     for layer in (column, row, vocab):
         with torch.no_grad():
             for parameter in layer.parameters():
@@ -27,8 +82,25 @@ def _layers(dtype: torch.dtype) -> nn.ModuleList:
     return nn.ModuleList([column, row, vocab])
 
 
+@needs_bf16_gemm
+def test_packed_layers_run_the_bf16_gemm() -> None:
+    column, row, vocab = _layers(torch.bfloat16)
+    x, wide = torch.randn(2, 5, 24, dtype=torch.bfloat16), torch.randn(5, 48, dtype=torch.bfloat16)
+    ids = torch.tensor([3, 36])
+    flat = x.flatten(0, 1)
+    expected = (_dot_bf16(flat, column.weight, column.bias).view(2, 5, 53), _dot_bf16(wide, row.weight, None),
+                _dot_bf16(flat, vocab.weight, None), F.embedding(ids, vocab.weight))
+    pack_weights(nn.ModuleList([column, row, vocab]))
+    assert column.weight.dim() == 4 and row.weight.dim() == 4 and vocab.packed_lm_head is not None
+    assert vocab.weight.dim() == 2  # the lookup table stays plain
+    got = (column(x), row(wide), vocab.logits(flat), vocab(ids))
+    for want, have in zip(expected, got, strict=True):
+        assert torch.equal(want, have)
+
+
 @needs_bf16_onednn
-def test_packed_layers_give_f_linear_bit_for_bit() -> None:
+def test_onednn_packed_layers_give_f_linear_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layers, "_has_bf16_gemm", lambda: False)  # as on a CPU without AVX512-BF16
     column, row, vocab = _layers(torch.bfloat16)
     x, wide = torch.randn(5, 24, dtype=torch.bfloat16), torch.randn(5, 48, dtype=torch.bfloat16)
     ids = torch.tensor([3, 36])
@@ -42,8 +114,19 @@ def test_packed_layers_give_f_linear_bit_for_bit() -> None:
         assert torch.equal(want, have)
 
 
+@needs_bf16_onednn
+def test_odd_input_widths_go_to_onednn() -> None:
+    column = _layers(torch.bfloat16, in_features=25)[0]  # the bf16 GEMM reads input features in pairs
+    x = torch.randn(5, 25, dtype=torch.bfloat16)
+    expected = F.linear(x, column.weight, column.bias)
+    pack_weights(column)
+    assert column.weight.is_mkldnn
+    assert torch.equal(column(x), expected)
+
+
 def test_float32_models_stay_on_f_linear() -> None:
-    layers = _layers(torch.float32)
-    pack_weights(layers)
-    column, row, vocab = layers
-    assert not column.weight.is_mkldnn and not row.weight.is_mkldnn and vocab.packed_lm_head is None
+    layers_ = _layers(torch.float32)
+    pack_weights(layers_)
+    column, row, vocab = layers_
+    assert column.weight.dim() == 2 and not column.weight.is_mkldnn
+    assert row.weight.dim() == 2 and not row.weight.is_mkldnn and vocab.packed_lm_head is None

@@ -140,9 +140,10 @@ def test_regex_output_fully_matches(llm: LLM, sampling: dict[str, Any]) -> None:
 
 
 def test_unconstrained_outputs_do_not_change_with_constrained_neighbours() -> None:
-    # fp32: the batch changes from step to step here, and oneDNN's bf16 GEMM with K=1536 (the MLP's
-    # down projection) rounds differently above ~24 rows, so in bf16 a near-tie can flip a token
-    # with no mask involved; in fp32 such differences stay ~1e-7, far below any masked logit.
+    # fp32: the batch changes from step to step here, and on CPUs without AVX512-BF16 oneDNN's bf16
+    # GEMM with K=1536 (the MLP's down projection) rounds differently above ~24 rows, so in bf16 a
+    # near-tie can flip a token with no mask involved; in fp32 such differences stay ~1e-7, far
+    # below any masked logit.
     llm = LLM(dtype="float32", num_threads=2)
     free = [chat(llm, q) for q in ["Write a haiku about autumn.", "What is 2+2?", "Tell me about Paris.",
                                    "Explain gravity in one sentence."]]

@@ -7,19 +7,21 @@
 
 Each layer reads only its rows or columns of a checkpoint tensor (``tensor[rows]``, ``tensor[:, cols]``
 on a lazily read safetensors slice), so no rank materialises the full model. At world size 1 each
-forward is the single ``F.linear`` / ``F.embedding`` call of the unsharded module.
+forward is the single ``F.linear`` / ``F.embedding`` call of the unsharded module (or, for bf16 on
+the CPU, the GEMM of the prepacked weight: see :func:`pack_weights`).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cadence.backends.cpu_kernels import cpu_ops
 from cadence.distributed.group import ParallelGroup
 from cadence.distributed.partition import Split
 
@@ -89,7 +91,7 @@ class ColumnParallelLinear(ShardedLayer):
         self.bias = _parameter(self._offsets[-1], dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self._offsets[-1])
 
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
         part = self.parts[shard]
@@ -115,8 +117,8 @@ class RowParallelLinear(ShardedLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
-            return linear(x, self.weight, self.bias)
-        out = self.group.all_reduce(linear(x, self.weight, None))
+            return linear(x, self.weight, self.bias, self.out_features)
+        out = self.group.all_reduce(linear(x, self.weight, None, self.out_features))
         return out if self.bias is None else out + self.bias
 
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
@@ -163,7 +165,7 @@ class VocabParallelEmbedding(ShardedLayer):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden @ W.T`` over the whole vocabulary ``[B, vocab]``: each rank's slice, all-gathered."""
         weight = self.weight if self.packed_lm_head is None else self.packed_lm_head
-        local = linear(hidden, weight, None)
+        local = linear(hidden, weight, None, self.weight.shape[0])
         if self.group.world_size == 1:
             return local
         return self.group.all_gather(local)[:, :self.vocab_size]
@@ -172,27 +174,34 @@ class VocabParallelEmbedding(ShardedLayer):
         _copy(self.weight[:self.rows.size], tensor, (self.vocab_size, self.hidden_size), self.rows.indices)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, or oneDNN's GEMM on a weight that :func:`pack_weights` prepacked."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``F.linear``, or a GEMM on a weight that :func:`pack_weights` prepacked.
+
+    ``out_features`` is the weight's row count, which cadence's panel layout (a 4-D weight) pads.
+    """
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.dim() == 4:
+        rows = x.reshape(-1, x.shape[-1])
+        return cast(Any, cpu_ops()).bf16_linear(rows, weight, bias, out_features).view(*x.shape[:-1], out_features)
     return F.linear(x, weight, bias)
 
 
-# Rows per step the packed layout is tuned for; any row count works (a decode batch is typical).
+# Rows per step oneDNN's packed layout is tuned for; any row count works (a decode batch is typical).
 _PACKING_BATCH_HINT = 64
 
 
 def pack_weights(model: nn.Module) -> None:
-    """Prepack a loaded bf16 CPU model's GEMM weights in oneDNN's blocked layout, once.
+    """Prepack a loaded bf16 CPU model's GEMM weights once, for cadence's GEMM or else oneDNN's.
 
-    F.linear on a plain bf16 weight has oneDNN reorder the whole weight for its AMX/AVX-512 kernels
-    on every call; prepacked, a batch-64 decode GEMM is 12-16% faster here (the LM head's 10.3 ms
-    becomes 8.6 ms on one core), with bit-identical results. The packed tensor replaces the linear
-    layers' weights (no second copy); the embedding keeps its plain table for lookups and packs a
-    copy for the LM head. Does nothing for other dtypes (fp32 stays on F.linear, bit for bit the
-    reference path) or devices, or where oneDNN has no bf16 support. Loading weights after packing
-    is not supported.
+    On CPUs with AVX512-BF16 the weights go into the panel layout of ``csrc/bf16_linear.cpp``, whose
+    GEMM runs a batch-64 decode step's linears here in 18-19 ms against oneDNN's 24-25 ms. Elsewhere,
+    where oneDNN has bf16 support, they go into oneDNN's blocked layout: F.linear on a plain bf16
+    weight has oneDNN reorder the whole weight on every call, and prepacked the results are the
+    same, bit for bit. The packed tensor replaces the linear layers' weights (no second copy); the
+    embedding keeps its plain table for lookups and packs a copy for the LM head. Does nothing for
+    other dtypes (fp32 stays on F.linear, bit for bit the reference path) or devices. Loading
+    weights after packing is not supported.
     """
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
@@ -204,8 +213,16 @@ def pack_weights(model: nn.Module) -> None:
 
 def _packable(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not weight.is_mkldnn
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and (_has_bf16_gemm() and weight.shape[1] % 2 == 0 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def _has_bf16_gemm() -> bool:
+    ops = cpu_ops()
+    return ops is not None and bool(ops.bf16_linear_supported())
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
+    # cadence's GEMM reads input features in pairs, so it needs an even count
+    if _has_bf16_gemm() and weight.shape[1] % 2 == 0:
+        return cast(Any, cpu_ops()).pack_bf16_linear(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACKING_BATCH_HINT)

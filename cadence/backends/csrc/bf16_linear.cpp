@@ -1,0 +1,141 @@
+// bf16 GEMM for linear layers on x86 CPUs with AVX512-BF16: y = x @ W.T (+ bias), fp32 accumulation.
+//
+// The weight is packed once into panels of 48 output columns. Within a panel, each pair of input
+// features k, k+1 holds the 48 columns' two weights side by side: three 64-byte vectors, exactly
+// the operands of three VDPBF16PS. A thread owns whole panels, so each weight byte is read from
+// memory once per call, by one core. For each panel the rows of x go 8 at a time: 24 fp32
+// accumulators (8 rows x 48 columns) stay in registers while the panel's vectors stream from L1/L2,
+// and the next panel is prefetched a few lines per step so that the weights (which do not fit in
+// the caches: 270 MB per decode step for SmolLM2) arrive while this one computes.
+//
+// Measured here (2 Zen 5 cores, SmolLM2's shapes, all 30 layers): 914-946 GFLOP/s at 64 rows
+// against 684-716 for oneDNN's prepacked GEMM, 990 against 914 at 2,048 rows. Built on first use
+// by cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#pragma GCC target("avx512bf16")
+
+namespace {
+
+constexpr int64_t kPanelCols = 48;  // three vectors of 16 fp32 lanes
+constexpr int64_t kPanelVecs = kPanelCols / 16;
+constexpr int64_t kTileRows = 8;  // 8 x 3 accumulators + 3 weight vectors + 1 broadcast: 28 of 32 registers
+constexpr int64_t kLine = 64;
+
+bool bf16_linear_supported() { return __builtin_cpu_supports("avx512bf16"); }
+
+// W [N, K] bf16 -> [ceil(N/48), ceil(K/2), 48, 2], zero-padded (padding columns are never stored).
+at::Tensor pack_bf16_linear(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_bf16_linear: a [N, K] bf16 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols, pairs = (k + 1) / 2;
+  at::Tensor padded = at::zeros({panels * kPanelCols, pairs * 2}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  return padded.view({panels, kPanelCols, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// Rows [0, R) of x against one panel: out[r, c] = bias[c] + sum_k x[r, k] * panel[k, c] for c < cols.
+// x holds each row's k-pairs as int32 (two bf16), `row_pairs` apart. While it runs, it prefetches
+// `fetch_per_pair` lines of `prefetch` per pair step.
+template <int R>
+void panel_tile(const int32_t* x, int64_t row_pairs, const __m512bh* panel, int64_t pairs, at::BFloat16* out,
+                int64_t out_stride, int64_t cols, const at::BFloat16* bias, const char* prefetch,
+                int64_t fetch_per_pair) {
+  __m512 acc[R][kPanelVecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t i = 0; i < fetch_per_pair; ++i) _mm_prefetch(prefetch + (p * fetch_per_pair + i) * kLine, _MM_HINT_T1);
+    const __m512bh w0 = panel[kPanelVecs * p], w1 = panel[kPanelVecs * p + 1], w2 = panel[kPanelVecs * p + 2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x[r * row_pairs + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, w2);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kPanelVecs && 16 * v < cols; ++v) {
+      const __mmask16 m = cadence::tail_mask(cols - 16 * v);
+      const __m512 sum = bias ? _mm512_add_ps(acc[r][v], cadence::load16(bias + 16 * v, m)) : acc[r][v];
+      cadence::store16(out + r * out_stride + 16 * v, sum, m);
+    }
+  }
+}
+
+using PanelTile = void (*)(const int32_t*, int64_t, const __m512bh*, int64_t, at::BFloat16*, int64_t, int64_t,
+                           const at::BFloat16*, const char*, int64_t);
+constexpr PanelTile kTiles[kTileRows + 1] = {nullptr,        panel_tile<1>, panel_tile<2>, panel_tile<3>, panel_tile<4>,
+                                             panel_tile<5>, panel_tile<6>, panel_tile<7>, panel_tile<8>};
+
+// x [M, K] bf16 (dense rows), packed from pack_bf16_linear of a [out_features, K] weight, bias
+// [out_features] bf16 or None -> [M, out_features] bf16.
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanelCols && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16 && (out_features + kPanelCols - 1) / kPanelCols == packed.size(0),
+              "bf16_linear: the weight must come from pack_bf16_linear of ", out_features, " rows");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) == 2 * packed.size(1),
+              "bf16_linear: x must be [M, ", 2 * packed.size(1), "] bf16");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == at::kBFloat16),
+              "bf16_linear: bias must be dense [", out_features, "] bf16");
+  // Pairs are read as int32: rows must be dense and start on 4-byte boundaries.
+  const bool pair_aligned = x_in.stride(1) == 1 && x_in.stride(0) % 2 == 0 &&
+                            reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 4 == 0;
+  const at::Tensor x = pair_aligned ? x_in : x_in.contiguous();
+  const int64_t rows = x.size(0), panels = packed.size(0), pairs = packed.size(1);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x.data_ptr<at::BFloat16>());
+  const int64_t row_pairs = x.stride(0) / 2;
+  const __m512bh* w = reinterpret_cast<const __m512bh*>(packed.data_ptr<at::BFloat16>());
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  const at::BFloat16* b = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
+  const int64_t panel_vecs = pairs * kPanelVecs;  // also the panel's 64-byte lines
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  // A few rows are bound by the weights' memory traffic; there the hardware prefetcher does better alone.
+  const bool prefetch = rows >= kTileRows;
+  const int64_t fetch_per_pair = (panel_vecs + tiles * pairs - 1) / (tiles * pairs);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const __m512bh* panel = w + j * panel_vecs;
+      const char* next = reinterpret_cast<const char*>(panel + panel_vecs);
+      const bool fetch = prefetch && j + 1 < end;
+      const int64_t cols = std::min(kPanelCols, out_features - j * kPanelCols);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = t * kTileRows, first_line = t * pairs * fetch_per_pair;
+        // tile t fetches the next panel's lines [first_line, first_line + pairs * fetch_per_pair)
+        const bool fetching = fetch && first_line < panel_vecs;
+        kTiles[std::min(kTileRows, rows - r0)](xp + r0 * row_pairs, row_pairs, panel, pairs,
+                                               o + r0 * out_features + j * kPanelCols, out_features, cols,
+                                               b ? b + j * kPanelCols : nullptr, fetching ? next + first_line * kLine : nullptr,
+                                               fetching ? fetch_per_pair : 0);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
+  m.def("bf16_linear_supported() -> bool", bf16_linear_supported);  // no tensors: callable on any dispatch key
+  m.def("pack_bf16_linear(Tensor weight) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) {
+  m.impl("pack_bf16_linear", pack_bf16_linear);
+  m.impl("bf16_linear", bf16_linear);
+}
