@@ -213,7 +213,12 @@ def pack_weights(model: nn.Module) -> None:
 
 def _packable(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not weight.is_mkldnn
-            and (_has_bf16_gemm() and weight.shape[1] % 2 == 0 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+            and (_fits_bf16_gemm(weight) or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def _fits_bf16_gemm(weight: torch.Tensor) -> bool:
+    # cadence's GEMM reads input features in pairs, so it needs an even count
+    return weight.shape[1] % 2 == 0 and _has_bf16_gemm()
 
 
 def _has_bf16_gemm() -> bool:
@@ -222,7 +227,6 @@ def _has_bf16_gemm() -> bool:
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    # cadence's GEMM reads input features in pairs, so it needs an even count
-    if _has_bf16_gemm() and weight.shape[1] % 2 == 0:
+    if _fits_bf16_gemm(weight):
         return cast(Any, cpu_ops()).pack_bf16_linear(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACKING_BATCH_HINT)
