@@ -1,5 +1,7 @@
-"""The C++ paged-attention kernels (``cadence/backends/csrc/paged_attention.cpp``) against naive fp32
-attention, through the ``sdpa`` backend that calls them, and the backend's torch-op path they replace."""
+"""The C++ CPU kernels: paged attention (``cadence/backends/csrc/paged_attention.cpp``) against naive
+fp32 attention, through the ``sdpa`` backend that calls it, and the backend's torch-op path it
+replaces; the layer ops and the sampler's argmax against the torch ops they replace. (The bf16 GEMM
+has its own tests: test_packed_weights.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from cadence.backends.sdpa_backend import SDPABackend
 from cadence.backends.testing import PagedBatch, random_paged_batch, run_backend
 
 CPU = torch.device("cpu")
+# Where the CPU has AVX-512 the kernels must build, so a broken build fails here rather than skipping.
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                                reason="cadence's CPU kernels need AVX-512")
 
 
 def _naive(batch: PagedBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -42,8 +47,7 @@ def _check(batch: PagedBatch, atol: float) -> torch.Tensor:
 
 
 def test_kernel_builds_where_the_cpu_has_avx512() -> None:
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
-        assert cpu_ops() is not None
+    assert cpu_ops() is not None
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -118,6 +122,19 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
     cpu_ops().silu_and_mul(out, gate_up)
     gate, up = gate_up.split(width, dim=-1)
     _assert_within_one_ulp(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 49152])
+def test_argmax_rows_is_torch_argmax(vocab: int) -> None:
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[0] = float("-inf")  # every token masked
+    logits[1] = 2.5  # all equal: the first
+    logits[2, vocab // 2] = float("nan")  # NaN wins, as in torch
+    if vocab > 4:
+        logits[3, 1] = logits[3, vocab - 1] = 1e9  # a tie between vector lanes and chunks
+        logits[4, vocab - 1] = 1e9  # the max in the tail
+    for rows in (logits, logits[::2], logits[:, :max(1, vocab - 1)]):  # strided rows, a row tail
+        assert torch.equal(cpu_ops().argmax_rows(rows), rows.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

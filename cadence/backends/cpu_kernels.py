@@ -2,7 +2,8 @@
 
 ``paged_attention.cpp`` reads decode attention straight from the paged KV cache; ``layer_ops.cpp``
 fuses a decoder layer's per-token ops (RMSNorm with its residual add, RoPE, SiLU-and-multiply);
-``bf16_linear.cpp`` is the bf16 GEMM of the linear layers on CPUs with AVX512-BF16.
+``bf16_linear.cpp`` is the bf16 GEMM of the linear layers on CPUs with AVX512-BF16; ``greedy.cpp``
+is the sampler's argmax.
 The build takes about 10 s once here; torch caches it by source hash under ``TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``), so later processes load it in milliseconds. Where the
 kernels cannot run (no AVX-512, no C++ compiler, a failed build) :func:`cpu_ops` returns None and
@@ -21,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "greedy.cpp")
 # The instruction sets the kernels use (the build targets exactly these, not the build machine); no
 # contraction of a multiply and an add into one FMA where torch rounds the product first.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
@@ -32,7 +33,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 def cpu_ops() -> Any | None:
     """``torch.ops.cadence_cpu`` (``store_kv``, ``paged_attention``, ``rms_norm``, ``add_rms_norm``,
     ``silu_and_mul``, ``rotary_embedding``, ``bf16_linear_supported``, ``pack_bf16_linear``,
-    ``bf16_linear``; signatures in ``csrc/``), or None where the kernels cannot run here."""
+    ``bf16_linear``, ``argmax_rows``; signatures in ``csrc/``), or None where the kernels cannot run here."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
         logger.info("cadence CPU kernels off: the CPU lacks AVX-512 (%s); using torch ops", capability)

@@ -1,0 +1,67 @@
+// Greedy token choice on x86 CPUs (AVX-512): the index of each row's largest fp32 logit, exactly as
+// torch.argmax(dim=-1) picks it (the first of equal maxima; the first NaN, if any). torch's own
+// argmax runs about 12x slower than its max here (0.89 ms for a [64, 49152] batch); this is one
+// vector pass per row. Built on first use by cadence/backends/cpu_kernels.py; registered as
+// torch.ops.cadence_cpu.*.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+using namespace cadence;
+
+int64_t first_nan(const float* x, int64_t from, int64_t n) {
+  for (int64_t i = from; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+  }
+  return -1;
+}
+
+int64_t row_argmax(const float* x, int64_t n) {
+  // Each lane keeps its largest value and where it first saw it: a strict comparison keeps the earlier
+  // index on ties, and across lanes the smallest index among the maxima wins (0 for a row of -inf).
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i where = _mm512_setzero_si512();
+  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 valid = tail_mask(n - i);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, x + i);
+    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return first_nan(x, i, n);
+    const __mmask16 better = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, better, v);
+    where = _mm512_mask_mov_epi32(where, better, index);
+    index = _mm512_add_epi32(index, step);
+  }
+  const float top = _mm512_reduce_max_ps(best);
+  const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(at_top, where);
+}
+
+// logits [B, V] fp32 with dense rows -> [B] int64.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.size(1) > 0 &&
+                  logits.size(1) <= INT32_MAX,
+              "argmax_rows: logits must be [B, V] float32 with dense rows");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(x + r * stride, n);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) { m.impl("argmax_rows", argmax_rows); }
