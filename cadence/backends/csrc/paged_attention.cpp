@@ -7,7 +7,7 @@
 // context every layer). Tasks are (rows, KV head), where the query heads sharing the KV head go
 // together:
 // - a decode row streams its context once: scores by dot products, an fp32 softmax, weighted values,
-//   with the next block prefetched (memory-bound);
+//   with the next block prefetched, and the next task's keys and values meanwhile (memory-bound);
 // - up to 16 consecutive rows of a prefill form a tile that walks the keys in 16-key chunks, each
 //   transposed once so that a query's 16 scores are head_dim FMAs, and each value chunk serves every
 //   query of the tile (compute-bound).
@@ -32,10 +32,10 @@ namespace {
 
 using namespace cadence;
 
-template <typename T>
+template <_mm_hint Hint = _MM_HINT_T0, typename T>
 inline void prefetch_block(const T* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, Hint);
 }
 
 // Sizes of one call, fixed across its tasks; passed by value, so that stores through float pointers
@@ -50,14 +50,31 @@ struct Shape {
   float scale;
 };
 
+// The next task's context, fetched into L2 while this task computes: a cache whose blocks lie
+// scattered (as after requests come and go) defeats the hardware prefetcher between blocks, and
+// with it decode attention went from 18.6 to 14.7 ms per 30 layers on a shuffled block table.
+template <typename T>
+struct Upcoming {
+  const T* keys = nullptr;
+  const T* values = nullptr;
+  const int64_t* blocks = nullptr;
+  int64_t num_blocks = 0;
+};
+
 // Scores of `group` query rows (fp32, pre-scaled, [group][head_dim]) against `seq_len` keys.
 template <typename T>
 void score(const Shape s, const float* q, const T* keys, const int64_t* blocks, int64_t seq_len,
-           float* scores /* [group][seq_len] */) {
+           float* scores /* [group][seq_len] */, const Upcoming<T>& next) {
   const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim;
+  const int64_t num_blocks = (seq_len + s.block_size - 1) / s.block_size;
   __m512 k[16];
   for (int64_t first = 0, b = 0; first < seq_len; first += s.block_size, ++b) {
     const T* block = keys + blocks[b] * block_elems;
+    // this block's share of the next task's blocks
+    for (int64_t nb = b * next.num_blocks / num_blocks; nb < (b + 1) * next.num_blocks / num_blocks; ++nb) {
+      prefetch_block<_MM_HINT_T1>(next.keys + next.blocks[nb] * block_elems, block_elems * sizeof(T));
+      prefetch_block<_MM_HINT_T1>(next.values + next.blocks[nb] * block_elems, block_elems * sizeof(T));
+    }
     if (first + s.block_size < seq_len) prefetch_block(keys + blocks[b + 1] * block_elems, block_elems * sizeof(T));
     const int64_t n = std::min(s.block_size, seq_len - first);
     for (int64_t t = 0; t < n; ++t) {
@@ -271,7 +288,14 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
         }
       }
       if (tile.count == 1) {  // a decode: stream the context once for the group's heads
-        score(s, w.q, k_ptr + head * s.head_stride, blocks, len, w.scores);
+        Upcoming<T> next;
+        if (task + 1 < end) {
+          const Tile nt = tiles[(task + 1) / num_kv_heads];
+          const int64_t nh = (task + 1) % num_kv_heads;
+          next = {k_ptr + nh * s.head_stride, v_ptr + nh * s.head_stride, table + requests[nt.first] * s.max_blocks,
+                  (lens[nt.first] + s.block_size - 1) / s.block_size};
+        }
+        score(s, w.q, k_ptr + head * s.head_stride, blocks, len, w.scores, next);
         for (int64_t g = 0; g < s.group; ++g) softmax(w.scores + g * len, len);
         weigh(s, w.scores, v_ptr + head * s.head_stride, blocks, len, w.acc);
       } else {
