@@ -32,7 +32,8 @@ def _dot_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 67])  # tiles of 8 rows, their tails; prefetching from 8 rows
+# tiles of 8 rows and their tails; prefetching from 8 rows; blocks of 256 rows
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 67, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 2), (47, 64), (48, 576), (301, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_gemm_is_exactly_the_instructions_arithmetic(rows: int, out_features: int, in_features: int,

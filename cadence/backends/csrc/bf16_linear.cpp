@@ -8,9 +8,11 @@
 // and the next panel is prefetched a few lines per step so that the weights (which do not fit in
 // the caches: 270 MB per decode step for SmolLM2) arrive while this one computes.
 //
-// Measured here (2 Zen 5 cores, SmolLM2's shapes, all 30 layers): 914-946 GFLOP/s at 64 rows
-// against 684-716 for oneDNN's prepacked GEMM, 990 against 914 at 2,048 rows. Built on first use
-// by cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
+// Measured here by benchmarks/cpu_kernels.py (2 Zen 5 cores, SmolLM2's shapes, all 30 layers):
+// 889-946 GFLOP/s at 64 rows against 684-716 for oneDNN's prepacked GEMM; at 2,048 rows, which go
+// in L2-sized blocks of 256, 917 against 884-897. Each output is one fixed sequence of fp32 adds,
+// whatever the batch. Built on first use by cadence/backends/cpu_kernels.py; registered as
+// torch.ops.cadence_cpu.*.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,6 +30,7 @@ constexpr int64_t kPanelCols = 48;  // three vectors of 16 fp32 lanes
 constexpr int64_t kPanelVecs = kPanelCols / 16;
 constexpr int64_t kTileRows = 8;  // 8 x 3 accumulators + 3 weight vectors + 1 broadcast: 28 of 32 registers
 constexpr int64_t kLine = 64;
+constexpr int64_t kRowBlock = 256;  // 256 rows of K=576 take 288 KiB
 
 bool bf16_linear_supported() { return __builtin_cpu_supports("avx512bf16"); }
 
@@ -103,24 +106,28 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   const at::BFloat16* b = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
   const int64_t panel_vecs = pairs * kPanelVecs;  // also the panel's 64-byte lines
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  // A few rows are bound by the weights' memory traffic; there the hardware prefetcher does better alone.
-  const bool prefetch = rows >= kTileRows;
-  const int64_t fetch_per_pair = (panel_vecs + tiles * pairs - 1) / (tiles * pairs);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const __m512bh* panel = w + j * panel_vecs;
-      const char* next = reinterpret_cast<const char*>(panel + panel_vecs);
-      const bool fetch = prefetch && j + 1 < end;
-      const int64_t cols = std::min(kPanelCols, out_features - j * kPanelCols);
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t r0 = t * kTileRows, first_line = t * pairs * fetch_per_pair;
-        // tile t fetches the next panel's lines [first_line, first_line + pairs * fetch_per_pair)
-        const bool fetching = fetch && first_line < panel_vecs;
-        kTiles[std::min(kTileRows, rows - r0)](xp + r0 * row_pairs, row_pairs, panel, pairs,
-                                               o + r0 * out_features + j * kPanelCols, out_features, cols,
-                                               b ? b + j * kPanelCols : nullptr, fetching ? next + first_line * kLine : nullptr,
-                                               fetching ? fetch_per_pair : 0);
+    // Rows go in blocks small enough to stay in L2 while the thread's panels pass over them.
+    for (int64_t first_row = 0; first_row < rows; first_row += kRowBlock) {
+      const int64_t block_rows = std::min(kRowBlock, rows - first_row);
+      const int64_t tiles = (block_rows + kTileRows - 1) / kTileRows;
+      // A few rows are bound by the weights' memory traffic; there the hardware prefetcher does better alone.
+      const bool prefetch = block_rows >= kTileRows;
+      const int64_t fetch_per_pair = (panel_vecs + tiles * pairs - 1) / (tiles * pairs);
+      for (int64_t j = begin; j < end; ++j) {
+        const __m512bh* panel = w + j * panel_vecs;
+        const char* next = reinterpret_cast<const char*>(panel + panel_vecs);
+        const bool fetch = prefetch && j + 1 < end;
+        const int64_t cols = std::min(kPanelCols, out_features - j * kPanelCols);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t r0 = first_row + t * kTileRows, first_line = t * pairs * fetch_per_pair;
+          // tile t fetches the next panel's lines [first_line, first_line + pairs * fetch_per_pair)
+          const bool fetching = fetch && first_line < panel_vecs;
+          kTiles[std::min(kTileRows, rows - r0)](xp + r0 * row_pairs, row_pairs, panel, pairs,
+                                                 o + r0 * out_features + j * kPanelCols, out_features, cols,
+                                                 b ? b + j * kPanelCols : nullptr,
+                                                 fetching ? next + first_line * kLine : nullptr, fetching ? fetch_per_pair : 0);
+        }
       }
     }
   });

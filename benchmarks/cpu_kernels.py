@@ -1,0 +1,125 @@
+"""cadence's C++ CPU kernels against what they replace, in one run, on SmolLM2-135M's shapes.
+
+- GEMM: every bf16 linear of the 30 layers plus the LM head, each layer with its own weight (so
+  the weights stream from memory as in a real step), at 1, 64 and 2,048 rows: cadence's VDPBF16PS
+  kernel (``csrc/bf16_linear.cpp``) against oneDNN's prepacked GEMM and plain ``F.linear``.
+- argmax: the sampler's greedy choice over a [64, 49152] fp32 batch, against ``torch.argmax``.
+- decode attention: 64 requests x 200 tokens of context, 30 layers, read through a block table
+  whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
+
+Prints milliseconds (the median of the repeats), GFLOP/s for the GEMMs, and cadence's speed-up.
+Needs a CPU with AVX-512 (the GEMM also AVX512-BF16). A benchmark, never a test.
+
+    python benchmarks/cpu_kernels.py [--num-threads 2 --repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cadence.backends.cpu_kernels import cpu_ops
+from cadence.executor.malloc_tuning import keep_freed_memory
+
+LAYERS = 30
+# (out_features, in_features, copies): q/k/v, o, gate/up, down (one per layer), and the LM head.
+GEMMS = [(960, 576, LAYERS), (576, 576, LAYERS), (3072, 576, LAYERS), (576, 1536, LAYERS), (49152, 576, 1)]
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm: first-touch page faults, oneDNN's primitive cache
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def bench_gemm(ops: Any, rows: int, repeats: int) -> None:
+    weights = [[torch.randn(n, k, dtype=torch.bfloat16) * 0.05 for _ in range(copies)] for n, k, copies in GEMMS]
+    inputs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k, _ in GEMMS]
+    ours = [[ops.pack_bf16_linear(w) for w in group] for group in weights]
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in group] for group in weights]
+    calls: dict[str, Callable[[torch.Tensor, int], object]] = {
+        "F.linear": lambda x, i: F.linear(x, weights[i // LAYERS][i % LAYERS]),
+        "oneDNN prepacked": lambda x, i: torch.ops.mkldnn._linear_pointwise(
+            x, onednn[i // LAYERS][i % LAYERS], None, "none", [], ""),
+        "cadence bf16_linear": lambda x, i: ops.bf16_linear(x, ours[i // LAYERS][i % LAYERS], None,
+                                                           GEMMS[i // LAYERS][0]),
+    }
+
+    def step(call: Callable[[torch.Tensor, int], object]) -> None:
+        for group, (_, _, copies) in enumerate(GEMMS):  # outputs are dropped at once, as in a forward
+            for copy in range(copies):
+                call(inputs[group], group * LAYERS + copy)
+
+    times = {name: median_ms(functools.partial(step, call), repeats) for name, call in calls.items()}
+    flops = sum(2 * rows * n * k * copies for n, k, copies in GEMMS)
+    for name, ms in times.items():
+        print(f"  GEMM {rows:>5} rows  {name:<20} {ms:8.2f} ms  {flops / ms / 1e6:6.0f} GFLOP/s")
+    print(f"  GEMM {rows:>5} rows  cadence vs oneDNN: {times['oneDNN prepacked'] / times['cadence bf16_linear']:.2f}x,"
+          f" vs F.linear: {times['F.linear'] / times['cadence bf16_linear']:.2f}x")
+
+
+def bench_argmax(ops: Any, repeats: int) -> None:
+    logits = torch.randn(64, 49152)
+    ours = median_ms(lambda: [ops.argmax_rows(logits) for _ in range(100)], repeats) / 100
+    theirs = median_ms(lambda: [logits.argmax(dim=-1) for _ in range(100)], repeats) / 100
+    print(f"  argmax [64, 49152]  cadence {ours:.3f} ms  torch {theirs:.3f} ms  {theirs / ours:.2f}x")
+
+
+def bench_attention(ops: Any, repeats: int) -> None:
+    kv_heads, group, head_dim, block_size, requests, context = 3, 3, 64, 16, 64, 200
+    blocks_per_request = -(-context // block_size)
+    num_blocks = 2 * requests * blocks_per_request  # half of the pool in use
+    caches = [tuple(torch.randn(kv_heads, num_blocks, block_size, head_dim, dtype=torch.bfloat16) for _ in "kv")
+              for _ in range(LAYERS)]
+    q = torch.randn(requests, kv_heads * group, head_dim, dtype=torch.bfloat16)
+    out, rows = torch.empty_like(q), torch.arange(requests)
+    seq_lens = torch.full((requests,), context)
+    used = requests * blocks_per_request
+    shuffled = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))[:used]
+    tables = {"contiguous": torch.arange(used), "shuffled": shuffled}
+    times = {}
+    for name, blocks in tables.items():
+        table = blocks.view(requests, blocks_per_request)
+
+        def step(table: torch.Tensor = table) -> None:
+            for k, v in caches:
+                ops.paged_attention(out, q, k, v, table, rows, seq_lens, head_dim ** -0.5)
+
+        times[name] = median_ms(step, repeats)
+        print(f"  decode attention, {name} blocks: {times[name]:.2f} ms per 30 layers")
+    print(f"  shuffled / contiguous: {times['shuffled'] / times['contiguous']:.2f}x the time")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    ns = parser.parse_args()
+    torch.set_num_threads(ns.num_threads)
+    keep_freed_memory()  # as the engine's workers do: large outputs reuse memory instead of faulting
+    ops = cpu_ops()
+    if ops is None:
+        raise SystemExit("cadence's CPU kernels do not run on this machine (they need AVX-512)")
+    print(f"cadence CPU kernels, {ns.num_threads} threads, median of {ns.repeats}")
+    if ops.bf16_linear_supported():
+        for rows in (1, 64, 2048):
+            bench_gemm(ops, rows, ns.repeats)
+    else:
+        print("  GEMM: skipped, the CPU has no AVX512-BF16")
+    bench_argmax(ops, ns.repeats)
+    bench_attention(ops, ns.repeats)
+
+
+if __name__ == "__main__":
+    main()
