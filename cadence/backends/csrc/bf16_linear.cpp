@@ -3,10 +3,11 @@
 // The weight is packed once into panels of 48 output columns. Within a panel, each pair of input
 // features k, k+1 holds the 48 columns' two weights side by side: three 64-byte vectors, exactly
 // the operands of three VDPBF16PS. A thread owns whole panels, so each weight byte is read from
-// memory once per call, by one core. For each panel the rows of x go 8 at a time: 24 fp32
-// accumulators (8 rows x 48 columns) stay in registers while the panel's vectors stream from L1/L2,
-// and the next panel is prefetched a few lines per step so that the weights (which do not fit in
-// the caches: 270 MB per decode step for SmolLM2) arrive while this one computes.
+// memory once per call (once per 256 rows of x), by one core. For each panel the rows of x go 8 at
+// a time: 24 fp32 accumulators (8 rows x 48 columns) stay in registers while the panel's vectors
+// stream from L1/L2, and the next panel is prefetched a few lines per step so that the weights
+// (which do not fit in the caches: 270 MB per decode step for SmolLM2) arrive while this one
+// computes.
 //
 // Measured here by benchmarks/cpu_kernels.py (2 Zen 5 cores, SmolLM2's shapes, all 30 layers):
 // 889-946 GFLOP/s at 64 rows against 684-716 for oneDNN's prepacked GEMM; at 2,048 rows, which go
