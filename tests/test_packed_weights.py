@@ -71,30 +71,34 @@ def test_bf16_gemm_rejects_what_it_cannot_read() -> None:
 
 
 def _layers(dtype: torch.dtype, in_features: int = 24) -> nn.ModuleList:
+    """A column and a row linear, an embedding that is also the (tied) LM head, and an untied LM head."""
     torch.manual_seed(0)
     # 40 + 13 output rows: one full 48-column panel and a partial one
     column = ColumnParallelLinear(in_features, [even_split(40, 0, 1), even_split(13, 0, 1)], True, dtype, "cpu")
     row = RowParallelLinear(even_split(48, 0, 1), in_features, False, SINGLE_RANK, dtype, "cpu")
     vocab = VocabParallelEmbedding(37, in_features, SINGLE_RANK, dtype, "cpu")
-    for layer in (column, row, vocab):
+    head = VocabParallelEmbedding(61, in_features, SINGLE_RANK, dtype, "cpu", lookups=False)
+    for layer in (column, row, vocab, head):
         with torch.no_grad():
             for parameter in layer.parameters():
                 parameter.copy_(torch.randn(parameter.shape))
-    return nn.ModuleList([column, row, vocab])
+    return nn.ModuleList([column, row, vocab, head])
 
 
 @needs_bf16_gemm
 def test_packed_layers_run_the_bf16_gemm() -> None:
-    column, row, vocab = _layers(torch.bfloat16)
+    layers_ = _layers(torch.bfloat16)
+    column, row, vocab, head = layers_
     x, wide = torch.randn(2, 5, 24, dtype=torch.bfloat16), torch.randn(5, 48, dtype=torch.bfloat16)
     ids = torch.tensor([3, 36])
     flat = x.flatten(0, 1)
     expected = (_dot_bf16(flat, column.weight, column.bias).view(2, 5, 53), _dot_bf16(wide, row.weight, None),
-                _dot_bf16(flat, vocab.weight, None), F.embedding(ids, vocab.weight))
-    pack_weights(nn.ModuleList([column, row, vocab]))
+                _dot_bf16(flat, vocab.weight, None), F.embedding(ids, vocab.weight), _dot_bf16(flat, head.weight, None))
+    pack_weights(layers_)
     assert column.weight.dim() == 4 and row.weight.dim() == 4 and vocab.packed_lm_head is not None
     assert vocab.weight.dim() == 2  # the lookup table stays plain
-    got = (column(x), row(wide), vocab.logits(flat), vocab(ids))
+    assert head.weight.dim() == 4 and head.packed_lm_head is None  # no lookups: packed in place, one copy
+    got = (column(x), row(wide), vocab.logits(flat), vocab(ids), head.logits(flat))
     for want, have in zip(expected, got, strict=True):
         assert torch.equal(want, have)
 
@@ -102,15 +106,17 @@ def test_packed_layers_run_the_bf16_gemm() -> None:
 @needs_bf16_onednn
 def test_onednn_packed_layers_give_f_linear_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layers, "_has_bf16_gemm", lambda: False)  # as on a CPU without AVX512-BF16
-    column, row, vocab = _layers(torch.bfloat16)
+    layers_ = _layers(torch.bfloat16)
+    column, row, vocab, head = layers_
     x, wide = torch.randn(5, 24, dtype=torch.bfloat16), torch.randn(5, 48, dtype=torch.bfloat16)
     ids = torch.tensor([3, 36])
     expected = (F.linear(x, column.weight, column.bias), F.linear(wide, row.weight), F.linear(x, vocab.weight),
-                F.embedding(ids, vocab.weight))
-    pack_weights(nn.ModuleList([column, row, vocab]))
+                F.embedding(ids, vocab.weight), F.linear(x, head.weight))
+    pack_weights(layers_)
     assert column.weight.is_mkldnn and row.weight.is_mkldnn and vocab.packed_lm_head is not None
     assert not vocab.weight.is_mkldnn  # the lookup table stays plain
-    got = (column(x), row(wide), vocab.logits(x), vocab(ids))
+    assert head.weight.is_mkldnn and head.packed_lm_head is None
+    got = (column(x), row(wide), vocab.logits(x), vocab(ids), head.logits(x))
     for want, have in zip(expected, got, strict=True):
         assert torch.equal(want, have)
 
@@ -128,6 +134,6 @@ def test_odd_input_widths_go_to_onednn() -> None:
 def test_float32_models_stay_on_f_linear() -> None:
     layers_ = _layers(torch.float32)
     pack_weights(layers_)
-    column, row, vocab = layers_
-    assert column.weight.dim() == 2 and not column.weight.is_mkldnn
-    assert row.weight.dim() == 2 and not row.weight.is_mkldnn and vocab.packed_lm_head is None
+    for layer in layers_:
+        assert layer.weight.dim() == 2 and not layer.weight.is_mkldnn
+    assert layers_[2].packed_lm_head is None and layers_[3].packed_lm_head is None

@@ -133,20 +133,23 @@ class VocabParallelEmbedding(ShardedLayer):
     and (tied or not) the LM head.
 
     Every rank holds ``ceil(vocab / world_size)`` rows, the last one padded with zero rows, so the
-    logits slices all-gather as equal shapes.
+    logits slices all-gather as equal shapes. ``lookups=False`` marks an untied LM head, which never
+    embeds tokens: :func:`pack_weights` then packs its weight in place instead of keeping the plain
+    table beside the packed copy.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, lookups: bool = True) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.group = group
-        per_rank = -(-vocab_size // group.world_size)
-        start = min(group.rank * per_rank, vocab_size)
-        self.rows = Split(vocab_size, start, min(per_rank, vocab_size - start))
-        self.weight = _parameter(per_rank, hidden_size, dtype=dtype, device=device)
-        if self.rows.size < per_rank:
+        self.lookups = lookups
+        self.per_rank = -(-vocab_size // group.world_size)
+        start = min(group.rank * self.per_rank, vocab_size)
+        self.rows = Split(vocab_size, start, min(self.per_rank, vocab_size - start))
+        self.weight = _parameter(self.per_rank, hidden_size, dtype=dtype, device=device)
+        if self.rows.size < self.per_rank:
             with torch.no_grad():
                 self.weight[self.rows.size:].zero_()
         # The LM head's copy of the weight, prepacked by pack_weights (the lookup needs the plain one).
@@ -165,7 +168,7 @@ class VocabParallelEmbedding(ShardedLayer):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden @ W.T`` over the whole vocabulary ``[B, vocab]``: each rank's slice, all-gathered."""
         weight = self.weight if self.packed_lm_head is None else self.packed_lm_head
-        local = linear(hidden, weight, None, self.weight.shape[0])
+        local = linear(hidden, weight, None, self.per_rank)
         if self.group.world_size == 1:
             return local
         return self.group.all_gather(local)[:, :self.vocab_size]
@@ -199,16 +202,20 @@ def pack_weights(model: nn.Module) -> None:
     where oneDNN has bf16 support, they go into oneDNN's blocked layout: F.linear on a plain bf16
     weight has oneDNN reorder the whole weight on every call, and prepacked the results are the
     same, bit for bit. The packed tensor replaces the linear layers' weights (no second copy); the
-    embedding keeps its plain table for lookups and packs a copy for the LM head. Does nothing for
-    other dtypes (fp32 stays on F.linear, bit for bit the reference path) or devices. Loading
-    weights after packing is not supported.
+    embedding keeps its plain table for lookups and packs a copy for the LM head, while an untied LM
+    head (``lookups=False``) is packed in place. Does nothing for other dtypes (fp32 stays on
+    F.linear, bit for bit the reference path) or devices. Loading weights after packing is not
+    supported.
     """
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
             if _packable(module.weight):
                 module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
         elif isinstance(module, VocabParallelEmbedding) and _packable(module.weight):
-            module.packed_lm_head = _pack(module.weight)
+            if module.lookups:
+                module.packed_lm_head = _pack(module.weight)
+            else:
+                module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
 
 
 def _packable(weight: torch.Tensor) -> bool:

@@ -301,7 +301,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, layers, group, dtype, device, fused)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, group, dtype, device)
+            self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, group, dtype, device,
+                                                  lookups=False)
 
     @classmethod
     def _biases(cls, config: PretrainedConfig) -> tuple[bool, bool]:
