@@ -208,14 +208,14 @@ def pack_weights(model: nn.Module) -> None:
     supported.
     """
     for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            if _packable(module.weight):
-                module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
-        elif isinstance(module, VocabParallelEmbedding) and _packable(module.weight):
-            if module.lookups:
-                module.packed_lm_head = _pack(module.weight)
-            else:
-                module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
+        if not isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+            continue
+        if not _packable(module.weight):
+            continue
+        if isinstance(module, VocabParallelEmbedding) and module.lookups:
+            module.packed_lm_head = _pack(module.weight)  # the lookups need the plain table
+        else:
+            module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
 
 
 def _packable(weight: torch.Tensor) -> bool:
