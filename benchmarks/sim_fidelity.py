@@ -21,8 +21,7 @@ import sys
 import time
 
 from cadence.bench.metrics import compute_metrics
-from cadence.core.engine import Engine
-from cadence.engine_args import EngineArgs
+from cadence.engine.llm import LLM
 from cadence.sim.calibrate import TimedStep, cycle_samples, default_plan, fit_timed_steps, time_steps, timing
 from cadence.sim.cost_model import CostModel, fit_cost_model, fit_quality
 from cadence.sim.replay import replay
@@ -64,7 +63,7 @@ def main() -> int:
     parser.add_argument("--steps-json", default=None, help="write the real run's step timings to this file")
     args = parser.parse_args()
 
-    engine = Engine(EngineArgs(model=args.model, dtype=args.dtype, num_threads=args.num_threads).create_config())
+    engine = LLM(model=args.model, dtype=args.dtype, num_threads=args.num_threads)
     calibration_steps: list[TimedStep] = []
     if args.cost_model:
         cost_model = CostModel.load(args.cost_model)
@@ -83,7 +82,7 @@ def main() -> int:
         if args.save_cost_model:
             cost_model.save(args.save_cost_model)
 
-    limits = EngineLimits.from_engine_config(engine.config, engine.core.executor.num_blocks)
+    limits = EngineLimits.from_engine_config(engine.config, engine.engine_core.executor.num_blocks)
     policy, options = engine.config.scheduler.policy, engine.config.scheduler.policy_options
     if args.request_rate is None:
         # The same requests all at once: the simulated engine's capacity for this mix.

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from cadence.messages import CompletionOutput, RequestOutput
 from cadence.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from cadence.llm import LLM
+    from cadence.engine.async_engine import AsyncEngine
+    from cadence.engine.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineDeadError", "EngineOverloadedError",
+           "InvalidRequestError", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    # LLM pulls in torch and transformers; import it only when asked for.
+    # Both pull in torch and transformers; import them only when asked for.
     if name == "LLM":
-        from cadence.llm import LLM
+        from cadence.engine.llm import LLM
         return LLM
+    if name == "AsyncEngine":
+        from cadence.engine.async_engine import AsyncEngine
+        return AsyncEngine
     raise AttributeError(f"module 'cadence' has no attribute {name!r}")

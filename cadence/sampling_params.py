@@ -123,11 +123,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
 
-    def validate_against(self, vocab_size: int) -> None:
-        """Checks that need the model: token ids must be inside the vocabulary."""
-        for tid in [*self.stop_token_ids, *(self.logit_bias or {})]:
-            _check(0 <= tid < vocab_size, f"token id {tid} is outside the vocabulary (size {vocab_size})")
-
 
 def _check(ok: bool, message: str) -> None:
     if not ok:

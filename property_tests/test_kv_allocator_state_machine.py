@@ -12,7 +12,9 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cadence.core.kv_allocator import AllBlocksCleared, BlockRemoved, BlockStored, KVAllocator, hash_block
+from cadence.core.block_pool import hash_block
+from cadence.core.kv_allocator import KVAllocator
+from cadence.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from cadence.core.testing import FakeRequest
 
 VOCAB = 3

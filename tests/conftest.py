@@ -124,7 +124,7 @@ def kill_mid_generation() -> Callable[[Any, int], BaseException | None]:
         os.kill(pid, signal.SIGSTOP)
         thread = threading.Thread(target=run)
         thread.start()
-        while not llm.engine.scheduler.running and thread.is_alive():  # the first step is running
+        while not llm.engine_core.scheduler.running and thread.is_alive():  # the first step is running
             thread.join(0.01)
         os.kill(pid, signal.SIGKILL)
         thread.join(300)  # a hang guard only

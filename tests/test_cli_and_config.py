@@ -88,3 +88,34 @@ def test_memory_sizes() -> None:
 def test_bad_model_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config\.json"):
         EngineArgs(model=str(tmp_path)).create_config()
+
+
+def _parse(verb: str, *flags: str) -> EngineArgs:
+    from cadence.cli import build_parser
+    from cadence.engine_args import engine_args_from
+
+    return engine_args_from(build_parser().parse_args([verb, *flags]))
+
+
+@pytest.mark.parametrize("verb", ["generate", "serve", "simulate", "bench throughput"])
+def test_every_engine_option_is_a_flag_of_every_verb_with_the_same_default(verb: str) -> None:
+    from dataclasses import fields
+
+    # Each verb takes the same flags, made from EngineArgs' fields: parsed with none, they give EngineArgs().
+    assert _parse(*verb.split()) == EngineArgs()
+    flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in fields(EngineArgs)}
+    assert flags.pop("usage_context") is None
+    assert flags["policy_options"] == "--policy-option"
+
+
+def test_engine_flags_parse_into_engine_args() -> None:
+    args = _parse("serve", "--model", "m", "--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory", "2GiB",
+                  "--no-enable-prefix-caching", "--max-num-batched-tokens", "256", "-tp", "2", "-dp", "3",
+                  "--policy", "priority", "--policy-option", "chunked=true", "--policy-option", "x=a=b",
+                  "--distributed-executor-backend", "mp")
+    assert args == EngineArgs(model="m", dtype="float32", max_model_len=64, kv_cache_memory="2GiB",
+                              enable_prefix_caching=False, max_num_batched_tokens=256, tensor_parallel_size=2,
+                              data_parallel_size=3, policy="priority", policy_options={"chunked": "true", "x": "a=b"},
+                              distributed_executor_backend="mp")
+    with pytest.raises(ValueError, match="--policy-option takes KEY=VALUE, got 'chunked'"):
+        _parse("generate", "--policy-option", "chunked")

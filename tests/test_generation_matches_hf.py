@@ -12,7 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cadence import LLM, SamplingParams
-from cadence.core.engine import Engine
 
 NEW_TOKENS = 16
 
@@ -68,9 +67,9 @@ def test_greedy_matches_transformers(tiny: tuple[Path, list, list], variant: str
     llm = LLM(model=str(folder), dtype="float32", **ENGINE_VARIANTS[variant])
     assert greedy(llm, prompts) == expected
     if variant == "tiny-kv-pool":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine_core.scheduler.num_preemptions > 0
     if variant == "default":
-        assert llm.engine.allocator.prefix_cache_hits > 0
+        assert llm.engine_core.allocator.prefix_cache_hits > 0
 
 
 def test_alone_equals_in_a_batch_of_32(make_tiny_model: Callable[..., Path]) -> None:
@@ -112,7 +111,7 @@ def test_engine_config_rejects_unknown_policy_with_the_installed_list(make_tiny_
 def test_engine_is_a_plain_object_between_runs(make_tiny_model: Callable[..., Path]) -> None:
     llm = LLM(model=str(make_tiny_model("llama")), dtype="float32")
     greedy(llm, random_prompts(3, 4, 320, (5, 20)))
-    engine: Engine = llm.engine
+    engine = llm.engine_core
     assert not engine.scheduler.requests
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks - 1
     engine.allocator.check_integrity()

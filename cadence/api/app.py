@@ -32,7 +32,7 @@ from cadence.api.protocol import (
     encode,
 )
 from cadence.api.serving import APIState, ServerSettings, engine_dead
-from cadence.async_engine import AsyncEngine
+from cadence.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 

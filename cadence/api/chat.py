@@ -26,7 +26,7 @@ from cadence.api.protocol import (
     Usage,
     encode,
 )
-from cadence.api.serving import APIState, Generation, validate
+from cadence.api.serving import APIState, Generation, prepare
 from cadence.api.streaming import SSEStream, stream_response
 from cadence.messages import RequestOutput
 
@@ -57,10 +57,10 @@ class _Chat:
         max_tokens = max_tokens_for(requested, None, len(self.prompt_ids), state.limits, param=param,
                                     prompt_param="messages")
         params = sampling_params(req, max_tokens=max_tokens, logprobs=self.top_logprobs)
-        validate(state, self.prompt_ids, params, prompt_param="messages")
+        request = prepare(state, self.prompt_ids, params, prompt_param="messages")
         self.n = params.n
-        self.generation = Generation(state, self.id, [self.prompt_ids], [params], priority=req.priority,
-                                     user=req.user, arrival=arrival)
+        self.generation = Generation(state, self.id, [request], priority=req.priority, user=req.user,
+                                     arrival=arrival)
         self.choices = [_Choice() for _ in range(self.n)]
         self.num_cached = 0
         self.num_generated = 0

@@ -28,10 +28,10 @@ from cadence.api.protocol import (
     Usage,
     encode,
 )
-from cadence.api.serving import APIState, Generation, validate
+from cadence.api.serving import APIState, Generation, prepare
 from cadence.api.streaming import SSEStream, stream_response
+from cadence.engine.admission import PreparedRequest
 from cadence.messages import RequestOutput
-from cadence.sampling_params import SamplingParams
 
 
 @dataclass
@@ -56,20 +56,18 @@ class _Completion:
         prompts = prompts_of(req, state.tokenizer)
         self.prompt_ids = [ids for ids, _ in prompts]
         self.echo = [text if req.echo else "" for _, text in prompts]
-        self.params = [self._params(ids) for ids in self.prompt_ids]
-        self.n = self.params[0].n
-        self.generation = Generation(state, self.id, self.prompt_ids, self.params, priority=req.priority,
-                                     user=req.user, arrival=arrival)
+        requests = [self._prepare(ids) for ids in self.prompt_ids]
+        self.n = requests[0].params.n
+        self.generation = Generation(state, self.id, requests, priority=req.priority, user=req.user, arrival=arrival)
         self.choices = [_Choice(offset=len(self.echo[i // self.n])) for i in range(len(prompts) * self.n)]
         self.num_cached = [0] * len(prompts)
         self.num_generated = 0
 
-    def _params(self, prompt_ids: list[int]) -> SamplingParams:
+    def _prepare(self, prompt_ids: list[int]) -> PreparedRequest:
         req = self.req
         max_tokens = max_tokens_for(req.max_tokens, DEFAULT_COMPLETION_TOKENS, len(prompt_ids), self.state.limits)
         params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
-        validate(self.state, prompt_ids, params, prompt_param="prompt")
-        return params
+        return prepare(self.state, prompt_ids, params, prompt_param="prompt")
 
     def apply(self, prompt_index: int, delta: RequestOutput) -> list[CompletionChoice]:
         """Fold a delta in; the choices it adds to (text, logprobs, finish reason) as chunk choices."""

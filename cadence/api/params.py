@@ -14,8 +14,8 @@ from transformers import PreTrainedTokenizerBase
 
 from cadence.api.errors import APIError, bad_request, from_validation_error, from_value_error
 from cadence.api.protocol import ChatMessage, CompletionRequest, ResponseFormat, SamplingFields
-from cadence.core.request_manager import ModelLimits
 from cadence.core.structured_output import check_constraint
+from cadence.engine.admission import ModelLimits
 from cadence.sampling_params import SamplingParams, StructuredOutputsParams
 
 _PARAM_FIELDS = frozenset(SamplingParams.__struct_fields__)

@@ -25,12 +25,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cadence.cli import add_engine_args, engine_args_from
+from cadence.engine_args import add_engine_args, engine_args_from
 
 if TYPE_CHECKING:
     from cadence.api.serving import ServerSettings
-    from cadence.async_engine import AsyncEngine
     from cadence.config import EngineConfig
+    from cadence.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,9 @@ def run_server(ns: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     # As vLLM does: no `_created` series next to every counter and histogram.
     prometheus_client.disable_created_metrics()
-    config = replace(engine_args_from(ns), usage_context="serving").create_config()
     if ns.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
+    config = replace(engine_args_from(ns), usage_context="serving").create_config()
     settings = ServerSettings(
         served_model_names=tuple(ns.served_model_name or [default_model_name(ns.model)]),
         api_key=ns.api_key or None,
@@ -150,7 +150,7 @@ class _Lifecycle:
 
 async def serve(config: EngineConfig, settings: ServerSettings, options: ServeOptions) -> int:
     """Run until a signal (exit 0) or the engine's death (exit 1 unless told to stay up)."""
-    from cadence.async_engine import AsyncEngine
+    from cadence.engine.async_engine import AsyncEngine
 
     lifecycle = _Lifecycle(options.stay_up_on_engine_death)
     lifecycle.install_signal_handlers()
@@ -191,7 +191,7 @@ async def _serve_http(engine: AsyncEngine, settings: ServerSettings, options: Se
         await runner.cleanup()
         return 1
     lifecycle.listening = True
-    cores = len(engine.engines)
+    cores = len(engine.cores)
     print(f"cadence: serving {settings.model_name} on http://{options.host}:{options.port}"
           + (f" with {cores} data-parallel engine cores" if cores > 1 else ""), file=sys.stderr, flush=True)
     await lifecycle.stop.wait()

@@ -22,8 +22,9 @@ import anyio
 from cadence.api.errors import APIError, bad_request
 from cadence.api.logprobs import TokenTexts
 from cadence.api.metrics import APIMetrics, EngineState, RequestTimer
-from cadence.async_engine import AsyncEngine, EngineOverloadedError
-from cadence.core.actor import EngineDeadError
+from cadence.engine.admission import PreparedRequest
+from cadence.engine.async_engine import AsyncEngine
+from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from cadence.messages import RequestOutput
 from cadence.sampling_params import SamplingParams
 
@@ -74,7 +75,7 @@ class APIState:
 
     def _engine_states(self) -> list[EngineState]:
         """Per engine core, in rank order; a pool's usable blocks exclude its null block."""
-        return [EngineState(e.stats, e.num_pending, e.num_blocks - 1) for e in self.engine.engines]
+        return [EngineState(c.stats, c.num_pending, c.client.num_blocks - 1) for c in self.engine.cores]
 
     @property
     def num_in_flight(self) -> int:
@@ -130,16 +131,15 @@ class APIState:
                 await anyio.sleep(0.02)
 
 
-def validate(state: APIState, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str) -> None:
-    """The engine's admission checks (vocabulary, KV capacity), run before anything is admitted.
+def prepare(state: APIState, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str) -> PreparedRequest:
+    """The engine's admission checks (vocabulary, KV capacity ...), run once, before anything is admitted.
 
-    :raises APIError: 400 saying what to change.
+    :raises APIError: 400 saying what to change, naming the field (``prompt_param`` for the prompt).
     """
     try:
-        state.engine.validate(prompt_ids, params)
-    except ValueError as exc:
-        message = str(exc)
-        raise bad_request(message, param=prompt_param if "prompt" in message else None) from None
+        return state.engine.prepare(prompt_ids, params)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from None
 
 
 def engine_dead(reason: str) -> APIError:
@@ -163,12 +163,11 @@ class Generation:
     that left) propagates.
     """
 
-    def __init__(self, state: APIState, request_id: str, prompts: list[list[int]], params: list[SamplingParams], *,
+    def __init__(self, state: APIState, request_id: str, requests: list[PreparedRequest], *,
                  priority: int = 0, user: str | None = None, arrival: float | None = None) -> None:
         self.state = state
         self.request_id = request_id
-        self.prompts = prompts
-        self.params = params
+        self.requests = requests
         self.priority = priority
         self.user = user
         self.arrival = time.monotonic() if arrival is None else arrival
@@ -177,11 +176,11 @@ class Generation:
     async def run(self, entry: InFlight, on_delta: DeltaHandler) -> None:
         """Generate within ``entry`` (from :meth:`APIState.admitted`)."""
         with entry.scope:
-            if len(self.prompts) == 1:
+            if len(self.requests) == 1:
                 await self._one(0, on_delta)
             else:
                 async with anyio.create_task_group() as group:
-                    for index in range(len(self.prompts)):
+                    for index in range(len(self.requests)):
                         group.start_soon(self._guarded, index, on_delta, group.cancel_scope)
                 if self._error is not None:
                     raise self._error
@@ -199,13 +198,12 @@ class Generation:
             scope.cancel()
 
     async def _one(self, index: int, on_delta: DeltaHandler) -> None:
-        state, params = self.state, self.params[index]
-        prompt = self.prompts[index]
-        timer = RequestTimer(state.metrics, len(prompt), params.n, self.arrival)
+        state, request = self.state, self.requests[index]
+        timer = RequestTimer(state.metrics, len(request.prompt_token_ids), request.params.n, self.arrival)
         outcome = "abort"
         # ``generate`` is an async generator (its annotation says only AsyncIterator).
         deltas = cast("AsyncGenerator[RequestOutput, None]", state.engine.generate(
-            prompt, params, f"{self.request_id}-{index}", priority=self.priority, user=self.user))
+            request, request_id=f"{self.request_id}-{index}", priority=self.priority, user=self.user))
         try:
             # aclosing: leaving early for any reason (client gone, shutdown) aborts the engine request now.
             async with contextlib.aclosing(deltas):
@@ -222,7 +220,7 @@ class Generation:
             raise engine_dead(str(exc)) from None
         except EngineOverloadedError as exc:
             raise APIError(503, str(exc), code="engine_overloaded") from None
-        except ValueError as exc:  # the engine's own admission checks
-            raise bad_request(str(exc)) from None
+        except InvalidRequestError as exc:  # only a request id in use gets here: the checks ran in prepare()
+            raise bad_request(str(exc), param=exc.param) from None
         finally:
             timer.close(outcome)

@@ -1,16 +1,10 @@
-"""Helpers for tests and load scripts: a real ``cadence serve`` process, and validation of bodies
-against OpenAI's published OpenAPI spec.
+"""Helpers for tests and load scripts: a real ``cadence serve`` process on a free port.
 
-The spec (``openai-openapi.json``) is found through ``$CADENCE_OPENAI_SPEC``, else in
-``../shared/reference/`` next to the repository. It is OpenAPI 3.1 with OpenAPI 3.0's
-``nullable: true`` mixed in, which JSON Schema validators ignore: :class:`OpenAISpec` rewrites each
-such schema as ``anyOf: [schema, {type: null}]`` before validating (Draft 2020-12).
+(Validation against OpenAI's OpenAPI spec is test-only: ``tests/support/openai_spec.py``.)
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 import signal
 import socket
@@ -21,11 +15,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-_REPO = Path(__file__).resolve().parents[2]
-SPEC_ENV = "CADENCE_OPENAI_SPEC"
-_SPEC_URI = "urn:openai-openapi"
 
 
 def free_port() -> int:
@@ -109,57 +98,3 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-
-def default_spec_path() -> Path:
-    return Path(os.environ.get(SPEC_ENV) or _REPO.parent / "shared" / "reference" / "openai-openapi.json")
-
-
-class OpenAISpec:
-    """Validates bodies against the spec's ``components.schemas``."""
-
-    def __init__(self, path: Path | None = None) -> None:
-        from jsonschema import Draft202012Validator
-        from referencing import Registry
-        from referencing.jsonschema import DRAFT202012
-
-        path = path or default_spec_path()
-        if not path.is_file():
-            raise FileNotFoundError(f"OpenAI's OpenAPI spec is not at {path}; set ${SPEC_ENV}")
-        self.document = _nullable_as_any_of(json.loads(path.read_text()))
-        self._registry: Registry[Any] = Registry().with_resource(_SPEC_URI, DRAFT202012.create_resource(self.document))
-        self._validator_class = Draft202012Validator
-        self._validators: dict[str, Any] = {}
-
-    def schema(self, name: str) -> dict[str, Any]:
-        schemas: dict[str, dict[str, Any]] = self.document["components"]["schemas"]
-        return schemas[name]
-
-    def validate(self, body: Any, name: str) -> None:
-        """:raises jsonschema.ValidationError: if ``body`` does not match schema ``name``."""
-        validator = self._validators.get(name)
-        if validator is None:
-            validator = self._validators[name] = self._validator_class(
-                {"$ref": f"{_SPEC_URI}#/components/schemas/{name}"}, registry=self._registry)
-        validator.validate(body)
-
-    def validate_completion_chunk(self, body: Any) -> None:
-        """A streamed completion chunk: ``CreateCompletionResponse``, except that a choice still
-        running has ``finish_reason: null`` (the spec says the two share a shape, but only the chat
-        chunk's schema has the nullable finish reason every implementation sends)."""
-        patched = copy.deepcopy(body)
-        for choice in patched.get("choices", []):
-            if choice.get("finish_reason", "") is None:
-                choice["finish_reason"] = "length"
-        self.validate(patched, "CreateCompletionResponse")
-
-
-def _nullable_as_any_of(node: Any) -> Any:
-    if isinstance(node, list):
-        return [_nullable_as_any_of(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    rewritten = {key: _nullable_as_any_of(value) for key, value in node.items()}
-    if rewritten.pop("nullable", None) is True:
-        return {"anyOf": [rewritten, {"type": "null"}]}
-    return rewritten

@@ -114,7 +114,7 @@ class SDPABackend(AttentionBackend):
 
     @classmethod
     def prepare(cls, device: torch.device, dtype: torch.dtype) -> None:
-        runs_kernels(device, dtype)  # built once per machine (about 10 s here), then loaded from torch's cache
+        runs_kernels(device, dtype)  # built once per machine (about 50 s on 2 cores), then loaded from torch's cache
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SDPAMetadata:
         query_start = layout.query_start_loc.tolist()

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from cadence.bench.datasets import BenchRequest, file_requests, random_requests
-from cadence.cli import add_engine_args, engine_args_from
 from cadence.core.step_timing import TimingTotals
+from cadence.engine_args import add_engine_args, engine_args_from
 
 _OVERHEAD_BATCH = 64
 
@@ -64,7 +64,7 @@ def run_cadence(ns: argparse.Namespace, requests: list[BenchRequest]) -> Through
 
     llm = LLM(**vars(engine_args_from(ns)))
     llm.generate([requests[0].prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    timing = llm.engine.core.timing
+    timing = llm.engine_core.timing
     timing.reset()
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     start = time.perf_counter()
@@ -72,7 +72,7 @@ def run_cadence(ns: argparse.Namespace, requests: list[BenchRequest]) -> Through
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     # The yardstick is batch 64: the largest batch this workload reaches, up to that.
-    batch = min(_OVERHEAD_BATCH, len(requests), llm.engine.config.scheduler.max_num_seqs)
+    batch = min(_OVERHEAD_BATCH, len(requests), llm.config.scheduler.max_num_seqs)
     return ThroughputResult("cadence", len(requests), elapsed, sum(r.prompt_len for r in requests), produced,
                             timing.at_least(batch), batch)
 

@@ -1,155 +1,90 @@
-"""The engine-core actor: the loop around the scheduler.
+"""The engine core: the executor (and through it the workers), the KV allocator and the scheduler.
 
-Take new messages without blocking while work exists (block when idle, using no CPU), schedule,
-hand the step to the executor, apply its result, emit outputs. At most one message per actor pair
-per step.
+They live as long as the :class:`EngineCore`; the actors that move messages between them are made
+fresh by :meth:`EngineCore.actors` for each run, in the engine-core process
+(:mod:`cadence.core.core_process`) or, for offline generation and tests, in the caller's process
+(:class:`cadence.engine.core_client.InProcessCoreClient`).
 """
 
 from __future__ import annotations
 
-import time
+import functools
+from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-import anyio.to_thread
+from transformers import PretrainedConfig
 
-from cadence.core.actor import UNBOUNDED, Actor, Mailbox
+from cadence.config import EngineConfig
+from cadence.core.kv_allocator import KVAllocator
 from cadence.core.scheduler import Scheduler
+from cadence.core.scheduler_actor import SchedulerActor
 from cadence.core.step_timing import StepTiming
-from cadence.messages import (
-    AbortRequests,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    ExecutorFailed,
-    ModelRunnerOutput,
-    SchedulerInbox,
-    SchedulerStats,
-)
-from cadence.request import Request
-
-# How long one wait for a compiling grammar may hold off new messages (it ends sooner when a
-# compile finishes).
-_GRAMMAR_WAIT_S = 0.02
+from cadence.core.structured_output import StructuredOutputManager
+from cadence.executor import Executor, create_executor
+from cadence.executor.actor import ExecutorActor
+from cadence.executor.base import UniExecutor
+from cadence.executor.worker import Worker
+from cadence.models.loader import load_hf_config, load_tokenizer
+from cadence.policies.base import PolicyContext
+from cadence.policies.loader import load_policy
+from cadence.runtime.actor import Mailbox
 
 
-class ExecutorError(RuntimeError):
-    """The worker failed while running a step."""
+@dataclass
+class EngineCore:
+    """The engine-core side: executor (and through it the workers), KV allocator and scheduler."""
 
+    config: EngineConfig
+    hf_config: PretrainedConfig
+    executor: Executor
+    allocator: KVAllocator
+    scheduler: Scheduler
+    timing: StepTiming = field(default_factory=StepTiming)
 
-class EngineCoreActor(Actor[SchedulerInbox]):
-    # Unbounded: the front end bounds admissions; a bound here could deadlock the
-    # scheduler -> detokenizer -> scheduler (abort) cycle.
-    inbox_size = UNBOUNDED
+    @classmethod
+    def build(cls, config: EngineConfig) -> EngineCore:
+        """Load the policy, the model (on every worker) and size the KV cache.
 
-    def __init__(self, scheduler: Scheduler, max_model_len: int, timing: StepTiming) -> None:
-        super().__init__()
-        self.scheduler = scheduler
-        self.max_model_len = max_model_len
-        self.timing = timing
-        self.executor: Mailbox[Any]
-        self.outputs_to: Mailbox[Any]
-        self._pending: list[EngineCoreOutput] = []
-        # Wall time each request was first scheduled, until its first output reports its queue time.
-        self._first_scheduled: dict[str, float] = {}
+        :raises ValueError: for a policy name or option that does not exist, or a model that
+            cannot be split over the tensor-parallel ranks.
+        :raises WorkerError: a worker failed to start.
+        """
+        sched = config.scheduler
+        # Fail on a bad policy name before the (slower) model load.
+        policy = load_policy(sched.policy, PolicyContext(
+            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold), sched.policy_options)
+        hf_config = load_hf_config(config.model.path)
+        executor = create_executor(config, hf_config)
+        allocator = KVAllocator(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        # Loads the tokenizer and xgrammar only when the first constrained request arrives.
+        grammars = StructuredOutputManager(functools.partial(load_tokenizer, config.model.path), hf_config.vocab_size)
+        return cls(config, hf_config, executor, allocator, Scheduler(sched, allocator, policy, grammars))
 
-    def connect(self, executor: Mailbox[Any], outputs_to: Mailbox[Any]) -> None:
-        self.executor = executor
-        self.outputs_to = outputs_to
+    def actors(self, outputs_to: Mailbox[Any]) -> tuple[SchedulerActor, ExecutorActor]:
+        """Fresh scheduler and executor actors over these components; the scheduler actor takes
+        requests and aborts, and sends each step's outputs to ``outputs_to``."""
+        core = SchedulerActor(self.scheduler, self.config.model.max_model_len, self.timing)
+        executor = ExecutorActor(self.executor, core)
+        core.connect(executor, outputs_to)
+        return core, executor
 
-    async def run(self) -> None:
-        try:
-            while await self._take_messages():
-                self._pending.extend(self.scheduler.finish_failed_grammars())
-                if self.scheduler.waiting_for_grammars:
-                    # Sleep in a thread on the compiles, not on the event loop; then look at the inbox again.
-                    await anyio.to_thread.run_sync(self.scheduler.wait_for_grammars, _GRAMMAR_WAIT_S)
-                elif self.scheduler.num_unfinished:
-                    await self._step()
-                if self._pending:
-                    await self._emit()
-        finally:
-            self.executor.close()
+    @property
+    def worker(self) -> Worker:
+        """The in-process worker of the uni executor.
 
-    async def _take_messages(self) -> bool:
-        """Block for a message when idle, then drain the inbox. False once the inbox is closed."""
-        if not self.scheduler.num_unfinished and not self._pending:
-            try:
-                self._handle(await self.inbox.receive())
-            except anyio.EndOfStream:
-                return False
-        while True:
-            try:
-                self._handle(self.inbox.receive_nowait())
-            except anyio.WouldBlock:
-                return True
-            except anyio.EndOfStream:
-                return bool(self.scheduler.num_unfinished)
+        :raises RuntimeError: the workers run in other processes (mp or ray executor).
+        """
+        if not isinstance(self.executor, UniExecutor):
+            raise RuntimeError(f"the {self.config.parallel.executor_backend} executor's workers run in other "
+                               "processes; only the uni executor has an in-process worker")
+        return self.executor.worker
 
-    def _handle(self, message: SchedulerInbox) -> None:
-        if isinstance(message, EngineCoreRequest):
-            self.scheduler.add_request(Request(
-                request_id=message.request_id,
-                prompt_token_ids=message.prompt_token_ids,
-                sampling_params=message.sampling_params,
-                eos_token_id=message.eos_token_id,
-                arrival_time=message.arrival_time,
-                max_model_len=self.max_model_len,
-                priority=message.priority,
-                user=message.user,
-            ))
-        elif isinstance(message, AbortRequests):
-            self._pending.extend(self.scheduler.abort_requests(message.request_ids))
-        else:
-            raise TypeError(f"engine core got an unexpected {type(message).__name__} outside a step")
+    def abort_all(self) -> None:
+        """Finish every request still in the scheduler (a run ended with requests unfinished)."""
+        self.scheduler.abort_requests(list(self.scheduler.requests))
 
-    async def _step(self) -> None:
-        started = time.perf_counter()
-        step = self.scheduler.schedule()
-        if not step.num_scheduled_tokens and not self.scheduler.running:
-            # Admission checks guarantee the first waiting request fits an empty engine.
-            raise RuntimeError(f"no waiting request can be scheduled on an idle engine: {self.scheduler.waiting[0]}")
-        now = time.time()
-        for new in step.new_requests:
-            request = self.scheduler.requests[new.request_id]
-            if request.num_output_tokens == 0 and request.num_preemptions == 0:
-                self._first_scheduled[new.request_id] = now - request.arrival_time
-        await self.executor.send(step)
-        while True:
-            try:
-                message = await self.inbox.receive()
-            except anyio.EndOfStream:
-                raise RuntimeError("engine core inbox closed while a step was running") from None
-            if isinstance(message, ModelRunnerOutput):
-                break
-            if isinstance(message, ExecutorFailed):
-                raise ExecutorError(f"step {message.step_id} failed in the worker: {message.error}")
-            self._handle(message)
-        outputs = self.scheduler.update_from_output(message)
-        for output in outputs:
-            output.queue_time_s = self._first_scheduled.pop(output.request_id, None)
-        self._pending.extend(outputs)
-        self.timing.record(len(step.num_scheduled_tokens), time.perf_counter() - started, message.forward_time_s)
-
-    async def _emit(self) -> None:
-        outputs, self._pending = self._pending, []
-        for output in outputs:
-            if output.finish_reason is not None:
-                self._first_scheduled.pop(output.request_id, None)
-        await self.outputs_to.send(EngineCoreOutputs(outputs, time.time(), self.stats()))
-
-    def stats(self) -> SchedulerStats:
-        scheduler, allocator = self.scheduler, self.scheduler.allocator
-        return SchedulerStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_cache_usage=allocator.usage,
-            num_free_blocks=allocator.num_free_blocks,
-            num_blocks=allocator.num_blocks,
-            prefix_cache_queries=allocator.prefix_cache_queries,
-            prefix_cache_hits=allocator.prefix_cache_hits,
-            num_preemptions=scheduler.num_preemptions,
-            num_steps=self.timing.total.num_steps,
-            step_time_s=self.timing.total.wall_s,
-            forward_time_s=self.timing.total.forward_s,
-        )
+    def shutdown(self) -> None:
+        """Stop the workers (their processes or actors, under the mp and ray executors)."""
+        self.executor.shutdown()

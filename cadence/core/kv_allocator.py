@@ -24,144 +24,11 @@ never admitted (the lookup memoizes its block hashes under its id).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn
 
-import msgspec
-
-# One encoder for the process: hashing runs on the hot path.
-_encode = msgspec.msgpack.Encoder().encode
-
-
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] = ()) -> int:
-    """The 64-bit prefix-cache key of one full block.
-
-    Chains ``parent_hash`` (``None`` for a request's first block) so that a block is only equal to
-    another whose whole prefix is equal. sha256 over msgpack is stable across processes and
-    Python versions (unlike ``hash()`` of strings), so a KV-aware router can compute the same keys.
-    A list and a tuple of the same ids hash the same (msgpack encodes both as an array).
-    """
-    digest = hashlib.sha256(_encode((parent_hash, token_ids, extra_keys))).digest()
-    return int.from_bytes(digest[:8], "little")
-
-
-class KVRequest(Protocol):
-    """The part of a request the allocator reads; :class:`cadence.request.RequestView` has it."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def all_token_ids(self) -> list[int]: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def num_computed_tokens(self) -> int: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-
-# ---- KV events -----------------------------------------------------------------------------
-
-
-class _KVEvent(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    pass
-
-
-class BlockStored(_KVEvent):
-    """Consecutive blocks of one request entered the prefix cache.
-
-    ``token_ids`` holds ``len(block_hashes) * block_size`` ids, block after block; the first
-    block's parent is ``parent_block_hash`` (``None``: it starts a sequence).
-    """
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-
-
-class BlockRemoved(_KVEvent):
-    """These hashes left the prefix cache (their blocks were reused)."""
-
-    block_hashes: list[int]
-
-
-class AllBlocksCleared(_KVEvent):
-    """``reset_prefix_cache()`` dropped every hash."""
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-# ---- blocks and the free list --------------------------------------------------------------
-
-
-class Block:
-    """One KV block. ``block_hash`` is set iff the prefix-cache map points at this block."""
-
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: int | None = None
-        self.prev_free: Block | None = None
-        self.next_free: Block | None = None
-
-    def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
-
-
-class _FreeList:
-    """Intrusive doubly linked list between two sentinels; every operation is O(1)."""
-
-    def __init__(self, blocks: Sequence[Block]) -> None:
-        self.head = Block(-1)
-        self.tail = Block(-1)
-        self.head.next_free = self.tail
-        self.tail.prev_free = self.head
-        self.size = 0
-        for block in blocks:
-            self.append(block)
-
-    def append(self, block: Block) -> None:
-        last = self.tail.prev_free
-        assert last is not None  # sentinels are always linked; narrows the type
-        block.prev_free = last
-        block.next_free = self.tail
-        last.next_free = block
-        self.tail.prev_free = block
-        self.size += 1
-
-    def popleft(self) -> Block:
-        block = self.head.next_free
-        assert block is not None and block is not self.tail  # callers check size first
-        self.remove(block)
-        return block
-
-    def remove(self, block: Block) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        assert prev is not None and nxt is not None  # only blocks in the list are removed
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self.size -= 1
-
-
-class _RequestState:
-    __slots__ = ("blocks", "hashes", "num_cached", "request")
-
-    def __init__(self, request: KVRequest) -> None:
-        self.request = request  # read again by free()
-        self.blocks: list[Block] = []
-        # Hashes of the request's full blocks, extended as tokens become known; valid for the
-        # request's life since its tokens only grow.
-        self.hashes: list[int] = []
-        # Leading blocks already offered to the prefix cache (registered, or duplicates of a
-        # block that was).
-        self.num_cached = 0
-
+from cadence.core.block_pool import Block, FreeList, IntegrityError, KVRequest, RequestBlocks, hash_block
+from cadence.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 # ---- the allocator -------------------------------------------------------------------------
 
@@ -183,9 +50,9 @@ class KVAllocator:
         self._caching = enable_prefix_caching
         self._record_events = enable_kv_events
         self._blocks = [Block(i) for i in range(num_blocks)]
-        self._free = _FreeList(self._blocks[1:])
+        self._free = FreeList(self._blocks[1:])
         self._hash_to_block: dict[int, Block] = {}
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestBlocks] = {}
         self._events: list[KVEvent] = []
         # Running totals in tokens, for the prefix cache hit-rate metric.
         self.prefix_cache_queries = 0
@@ -260,7 +127,7 @@ class KVAllocator:
             return [], 0
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
+            state = self._requests[request.request_id] = RequestBlocks(request)
         num_tokens = request.num_tokens
         max_blocks = (num_tokens - 1) // self._block_size
         hit_ids: list[int] = []
@@ -315,7 +182,7 @@ class KVAllocator:
             return None
 
         if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
+            state = self._requests[request.request_id] = RequestBlocks(request)
         state.request = request
         blocks = state.blocks
         for block in hit_blocks:
@@ -375,7 +242,7 @@ class KVAllocator:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _validate_hits(self, request: KVRequest, state: _RequestState | None, hit_ids: Sequence[int],
+    def _validate_hits(self, request: KVRequest, state: RequestBlocks | None, hit_ids: Sequence[int],
                        num_hit_tokens: int) -> list[Block]:
         if len(hit_ids) * self._block_size != num_hit_tokens:
             raise ValueError(f"num_computed_hit_tokens={num_hit_tokens} does not match "
@@ -420,7 +287,7 @@ class KVAllocator:
             parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
             hashes.append(parent)
 
-    def _cache_full_blocks(self, request: KVRequest, state: _RequestState, num_full: int) -> None:
+    def _cache_full_blocks(self, request: KVRequest, state: RequestBlocks, num_full: int) -> None:
         hashes = state.hashes
         self._extend_hashes(request, hashes, num_full)
         cache = self._hash_to_block
@@ -483,22 +350,7 @@ class KVAllocator:
             _broken("prefix caching is off but blocks are cached")
 
     def _check_free_list(self) -> set[int]:
-        free_ids: set[int] = set()
-        prev = self._free.head
-        block = prev.next_free
-        while block is not self._free.tail:
-            if block is None or len(free_ids) >= self._num_blocks:
-                _broken("the free list is cut or cyclic")
-            if block.prev_free is not prev:
-                _broken(f"free block {block.block_id} has a wrong prev pointer")
-            if block.block_id in free_ids:
-                _broken(f"block {block.block_id} is in the free list twice")
-            free_ids.add(block.block_id)
-            prev, block = block, block.next_free
-        if self._free.tail.prev_free is not prev:
-            _broken("the free list's tail sentinel has a wrong prev pointer")
-        if len(free_ids) != self._free.size:
-            _broken(f"the free list holds {len(free_ids)} blocks but counts {self._free.size}")
+        free_ids = self._free.check_links(self._num_blocks)
         null = self._blocks[0]
         if 0 in free_ids or null.ref_cnt != 0 or null.block_hash is not None:
             _broken("the null block was handed out, freed or hashed")
@@ -523,4 +375,4 @@ class KVAllocator:
 
 
 def _broken(message: str) -> NoReturn:
-    raise RuntimeError(f"KV allocator integrity: {message}")
+    raise IntegrityError(f"KV allocator integrity: {message}")

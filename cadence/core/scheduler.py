@@ -7,7 +7,7 @@ in the policy's order until one cannot be (head of line). Preemption is by recom
 (a) when a running request needs blocks (the policy's ``pick_victim``) and (b) when the policy says
 a waiting request outranks a running one and seats or blocks ran out (``preempt_for``). A step that
 preempted for a running request admits only requests of the second kind. The scheduler owns the
-KV allocator and calls it synchronously (see DESIGN.md, "Processes and actors").
+KV allocator and calls it synchronously (see docs/architecture.md, "Scheduling").
 
 Structured output: a constrained request is admitted once its grammar has compiled (others are
 admitted past it meanwhile); each step carries the token bitmask of the constrained requests that
@@ -274,9 +274,7 @@ class Scheduler:
             # Look up again after every preemption: freeing a victim can drop hashes of blocks it
             # was given in this step, and the lookup must go straight into allocate().
             hit_blocks, hit_tokens = self.allocator.get_computed_blocks(request)
-            request.num_computed_tokens = hit_tokens  # the policy sizes what remains after the hit
-            num = self.policy.num_tokens(request, step.budget)
-            request.num_computed_tokens = 0  # the allocator counts the hit itself
+            num = self.policy.num_tokens(request, step.budget, hit_tokens)
             if num == 0:
                 return False
             if len(self.running) + num_admitted >= self.config.max_num_seqs:

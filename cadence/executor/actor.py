@@ -14,9 +14,9 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from cadence.core.actor import Actor, Mailbox
 from cadence.executor.base import Executor, WorkerError
 from cadence.messages import ExecutorFailed, SchedulerOutput
+from cadence.runtime.actor import Actor, Mailbox
 
 
 class ExecutorActor(Actor[SchedulerOutput]):

@@ -1,4 +1,4 @@
-"""The executor contract, the in-process executor, and the choice between executors."""
+"""The executor contract, the in-process executor, and a tensor-parallel rank's start-up."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from transformers import PretrainedConfig
 
 from cadence.config import EngineConfig
 from cadence.distributed.group import init_tensor_parallel
-from cadence.distributed.partition import check_shardable
 from cadence.executor.worker import Worker
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.models.loader import load_hf_config
@@ -78,22 +77,3 @@ def start_worker(config: EngineConfig, rank: int, rendezvous: str | dist.Store, 
     ``rendezvous``, then load this rank's shard and allocate its KV cache."""
     group = init_tensor_parallel(rank, config.parallel.tensor_parallel_size, rendezvous, config.device.torch_device)
     return Worker(config, load_hf_config(config.model.path), group, local_rank)
-
-
-def create_executor(config: EngineConfig, hf_config: PretrainedConfig) -> Executor:
-    """The executor ``config.parallel`` asks for, with its workers started and their KV caches sized.
-
-    :raises ValueError: the model cannot be split over ``tensor_parallel_size`` ranks.
-    :raises WorkerError: a worker failed to start.
-    """
-    backend = config.parallel.executor_backend
-    if backend == "uni":
-        return UniExecutor(config, hf_config)
-    check_shardable(hf_config, config.parallel.tensor_parallel_size)
-    if backend == "mp":
-        from cadence.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    from cadence.executor.ray_executor import RayExecutor  # needs the `ray` extra
-
-    return RayExecutor(config)

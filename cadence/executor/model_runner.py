@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from cadence.backends.base import AttentionBackend, BatchLayout
-from cadence.executor.sampler import Sampler, SamplingRow, apply_grammar_bitmask
+from cadence.executor.sampler import Sampler, apply_grammar_bitmask
+from cadence.executor.sampling_plan import SamplingRow
 from cadence.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from cadence.sampling_params import SamplingParams
 

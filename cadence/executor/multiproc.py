@@ -31,7 +31,7 @@ from cadence.config import EngineConfig
 from cadence.executor.base import Executor, WorkerError
 from cadence.executor.worker_process import WorkerAddresses, worker_main
 from cadence.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailed, WorkerReady, WorkerReply
-from cadence.transport.codec import Codec
+from cadence.runtime.codec import Codec
 
 logger = logging.getLogger(__name__)
 

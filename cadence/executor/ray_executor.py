@@ -26,7 +26,7 @@ from cadence.config import EngineConfig
 from cadence.distributed.group import RENDEZVOUS_TIMEOUT
 from cadence.executor.base import Executor, WorkerError, start_worker
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
-from cadence.transport.codec import Codec
+from cadence.runtime.codec import Codec
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -19,10 +20,12 @@ from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.partition import head_shard
 from cadence.executor.malloc_tuning import keep_freed_memory
 from cadence.executor.model_runner import ModelRunner
-from cadence.executor.sampler import Sampler, SamplerOutput, SamplingRow
+from cadence.executor.sampler import Sampler, SamplerOutput
+from cadence.executor.sampling_plan import SamplingRow
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
-from cadence.models.llama import head_dim_of
+from cadence.models.layers import head_dim_of
 from cadence.models.loader import load_model
+from cadence.startup_log import startup
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,9 @@ class Worker:
 
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, group: ParallelGroup = SINGLE_RANK,
                  local_rank: int = 0) -> None:
+        start = time.monotonic()
+        # Start-up progress on the driver rank only (the others' lines would repeat it).
+        progress = startup.info if group.is_driver else logger.info
         device = _rank_device(config.device.torch_device, local_rank)
         keep_freed_memory()
         if config.device.num_threads is not None or config.parallel.world_size_across_dp > 1:
@@ -49,7 +55,9 @@ class Worker:
         head_dim = head_dim_of(hf_config)
         backend_cls = load_backend(config.device.attention_backend, device, dtype, head_dim,
                                    config.cache.block_size)
-        backend_cls.prepare(device, dtype)
+        backend_cls.prepare(device, dtype)  # compiles kernels on a first start (announced there)
+        progress("loading weights: %s (%s, %s backend)", config.model.path, str(dtype).removeprefix("torch."),
+                 backend_cls.name)
         model = load_model(config.model.path, hf_config, dtype, device, backend_cls, group)
         num_kv_heads = model.num_kv_heads  # this rank's
         # Every rank sizes its pool for rank 0's KV heads (no rank holds more), so all ranks agree on
@@ -63,8 +71,10 @@ class Worker:
                      for _ in range(hf_config.num_hidden_layers)]
         sampler = BroadcastSampler(group) if group.world_size > 1 else None
         self.runner = ModelRunner(model, model.attn_backend, kv_caches, config.cache.block_size, device, sampler)
-        logger.info("KV cache: %d blocks of %d tokens (%s backend, %s, rank %d of %d)", self.num_blocks,
-                    config.cache.block_size, backend_cls.name, dtype, group.rank, group.world_size)
+        kv_bytes = sum(k.nbytes + v.nbytes for k, v in kv_caches)
+        ranks = f", rank {group.rank} of {group.world_size}" if group.world_size > 1 else ""
+        progress("KV cache: %d blocks of %d tokens (%.2f GiB%s); ready in %.1f s", self.num_blocks,
+                 config.cache.block_size, kv_bytes / (1 << 30), ranks, time.monotonic() - start)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

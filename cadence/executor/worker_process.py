@@ -20,8 +20,8 @@ from cadence.config import EngineConfig
 from cadence.executor.base import start_worker
 from cadence.executor.worker import Worker
 from cadence.messages import SchedulerOutput, WorkerFailed, WorkerReady, WorkerReply
-from cadence.processes import exit_with_parent, set_process_name
-from cadence.transport.codec import Codec
+from cadence.runtime.codec import Codec
+from cadence.runtime.processes import exit_with_parent, set_process_name
 
 logger = logging.getLogger(__name__)
 

@@ -100,8 +100,12 @@ class SchedulingPolicy(abc.ABC):
 
     # ---- 2. size ------------------------------------------------------------------------------
 
-    def num_tokens(self, request: RequestView, token_budget: int) -> int:
+    def num_tokens(self, request: RequestView, token_budget: int, num_cached_tokens: int = 0) -> int:
         """Tokens to schedule for ``request`` this step, given what is left of the step's budget.
+
+        ``num_cached_tokens``: for a waiting request, the tokens of its prompt found in the prefix
+        cache, which need no computing (0 for a running one); what remains to compute is
+        ``request.num_tokens - request.num_computed_tokens - num_cached_tokens``.
 
         Returning 0 skips a running request this step and stops admission at a waiting one. With
         chunked prefill on: what fits, capped by the long-prefill threshold. Otherwise a waiting
@@ -109,7 +113,7 @@ class SchedulingPolicy(abc.ABC):
         the entire step budget is split (it could never run otherwise); a running request (a decode,
         or the rest of such a split prompt) gets what fits.
         """
-        remaining = request.num_tokens - request.num_computed_tokens
+        remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
         if self.chunked:
             threshold = self.context.long_prefill_token_threshold
             return min(remaining, threshold or remaining, token_budget)

@@ -1,4 +1,4 @@
-"""The simulator: the real scheduler, policy and KV allocator on a virtual clock (see DESIGN.md).
+"""The simulator: the real scheduler, policy and KV allocator on a virtual clock (see docs/architecture.md).
 
 ``simulate(workload, limits, policy, cost_model, seed) -> SimResult`` is the Python API;
 ``cadence simulate`` the command line.

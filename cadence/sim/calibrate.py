@@ -35,7 +35,7 @@ from cadence.sim.runner import ShapeTracker
 from cadence.sim.workload import RequestSpec, arrival_times
 
 if TYPE_CHECKING:
-    from cadence.core.engine import Engine
+    from cadence.engine.llm import LLM
     from cadence.executor import Executor
 
 # Random prompt ids start above the ids most vocabularies keep for special tokens.
@@ -138,17 +138,17 @@ class _TimingExecutor:
 
 
 @contextlib.contextmanager
-def timing(engine: Engine) -> Iterator[_TimingExecutor]:
+def timing(engine: LLM) -> Iterator[_TimingExecutor]:
     """Time every step ``engine`` runs while the context is open (``timer.steps``)."""
-    timer = _TimingExecutor(engine.core.executor)
-    engine.core.executor = cast("Executor", timer)
+    timer = _TimingExecutor(engine.engine_core.executor)
+    engine.engine_core.executor = cast("Executor", timer)
     try:
         yield timer
     finally:
-        engine.core.executor = timer.executor
+        engine.engine_core.executor = timer.executor
 
 
-def time_steps(engine: Engine, plan: Sequence[Phase], seed: int = 0,
+def time_steps(engine: LLM, plan: Sequence[Phase], seed: int = 0,
                progress: Callable[[str], None] | None = None) -> list[TimedStep]:
     """Run every phase through ``engine`` and return each step's timing (phase 0 is warm-up)."""
     with timing(engine) as timer:
@@ -178,7 +178,7 @@ def cycle_samples(steps: Sequence[TimedStep], skip_phases: Sequence[int] = (0,))
     return [a.shape for a, _ in kept], [b.start - a.start for a, b in kept], median_gap
 
 
-def calibrate(engine: Engine, plan: Sequence[Phase] | None = None, seed: int = 0,
+def calibrate(engine: LLM, plan: Sequence[Phase] | None = None, seed: int = 0,
               progress: Callable[[str], None] | None = None, quick: bool = False) -> tuple[CostModel, FitQuality]:
     """Time ``engine`` on ``plan`` (default :func:`default_plan`) and fit a cost model to it."""
     config = engine.config
@@ -190,7 +190,7 @@ def calibrate(engine: Engine, plan: Sequence[Phase] | None = None, seed: int = 0
     return fit_timed_steps(engine, steps, wall_time_s=time.perf_counter() - started)
 
 
-def fit_timed_steps(engine: Engine, steps: Sequence[TimedStep],
+def fit_timed_steps(engine: LLM, steps: Sequence[TimedStep],
                     wall_time_s: float | None = None) -> tuple[CostModel, FitQuality]:
     """The cost model of :func:`time_steps`' timings, with where and how they were measured."""
     shapes, cycles, median_gap = cycle_samples(steps)
@@ -202,7 +202,7 @@ def fit_timed_steps(engine: Engine, steps: Sequence[TimedStep],
     return CostModel(model.coefficients, metadata), quality
 
 
-def _metadata(engine: Engine, num_steps: int, median_gap: float) -> dict[str, Any]:
+def _metadata(engine: LLM, num_steps: int, median_gap: float) -> dict[str, Any]:
     import torch
 
     config = engine.config
@@ -228,11 +228,11 @@ def _metadata(engine: Engine, num_steps: int, median_gap: float) -> dict[str, An
 
 
 
-def _attention_backend(engine: Engine) -> str:
+def _attention_backend(engine: LLM) -> str:
     """The backend the workers chose: the same choice, made again here (they may be in other processes)."""
     from cadence.backends.registry import load_backend
-    from cadence.models.llama import head_dim_of
+    from cadence.models.layers import head_dim_of
 
     config = engine.config
     return load_backend(config.device.attention_backend, config.device.torch_device, config.model.torch_dtype,
-                        head_dim_of(engine.core.hf_config), config.cache.block_size).name
+                        head_dim_of(engine.engine_core.hf_config), config.cache.block_size).name

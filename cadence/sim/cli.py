@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cadence.cli import add_engine_args, engine_args_from
+from cadence.engine_args import add_engine_args, engine_args_from
 
 
 def register(verbs: argparse._SubParsersAction[Any]) -> None:
@@ -123,10 +123,10 @@ def run_simulate(ns: argparse.Namespace) -> int:
 
 
 def run_calibrate(ns: argparse.Namespace) -> int:
-    from cadence.core.engine import Engine
+    from cadence.engine.llm import LLM
     from cadence.sim.calibrate import calibrate
 
-    engine = Engine(engine_args_from(ns).create_config())
+    engine = LLM(**vars(engine_args_from(ns)))
     model, quality = calibrate(engine, seed=ns.seed, quick=ns.quick,
                                progress=lambda line: print(line, file=sys.stderr))
     model.save(ns.output)

@@ -15,15 +15,16 @@ import anyio
 import numpy as np
 
 from cadence.bench.metrics import RequestRecord
-from cadence.core.engine import Engine
-from cadence.core.request_manager import RequestHandle, RequestManager
+from cadence.engine.async_engine import AsyncEngine
+from cadence.engine.llm import LLM
+from cadence.engine.request_manager import RequestHandle
 from cadence.sampling_params import SamplingParams
 from cadence.sim.workload import RequestSpec
 
 _FIRST_ORDINARY_ID = 100
 
 
-def replay(engine: Engine, specs: Sequence[RequestSpec], seed: int = 0) -> list[RequestRecord]:
+def replay(engine: LLM, specs: Sequence[RequestSpec], seed: int = 0) -> list[RequestRecord]:
     """Run ``specs`` through ``engine`` at their arrival times; records in ``specs``' order.
 
     Arrival and chunk times are seconds from the first arrival. Prompts without token ids get
@@ -32,7 +33,7 @@ def replay(engine: Engine, specs: Sequence[RequestSpec], seed: int = 0) -> list[
     return anyio.run(replay_async, engine, specs, seed)
 
 
-async def replay_async(engine: Engine, specs: Sequence[RequestSpec], seed: int = 0) -> list[RequestRecord]:
+async def replay_async(engine: LLM, specs: Sequence[RequestSpec], seed: int = 0) -> list[RequestRecord]:
     prompts = _prompts(specs, engine.limits.vocab_size, seed)
     order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_time)
     arrivals = [0.0] * len(specs)
@@ -48,12 +49,12 @@ async def replay_async(engine: Engine, specs: Sequence[RequestSpec], seed: int =
                 chunks[i].append(time.perf_counter() - origin)
                 counts[i] += n
 
-    async with engine.running() as manager, anyio.create_task_group() as group:
+    async with engine.running() as running, anyio.create_task_group() as group:
         start = anyio.current_time()
         for i in order:
             await anyio.sleep_until(start + specs[i].arrival_time - first)
             arrivals[i] = time.perf_counter() - origin
-            handle = await _submit(manager, f"replay-{i}", prompts[i], specs[i])
+            handle = await _submit(running, f"replay-{i}", prompts[i], specs[i])
             group.start_soon(follow, i, handle)
     return [
         RequestRecord(arrival_time=arrivals[i], chunk_times=chunks[i], prompt_tokens=spec.prompt_tokens,
@@ -63,9 +64,9 @@ async def replay_async(engine: Engine, specs: Sequence[RequestSpec], seed: int =
     ]
 
 
-async def _submit(manager: RequestManager, request_id: str, prompt: list[int], spec: RequestSpec) -> RequestHandle:
+async def _submit(engine: AsyncEngine, request_id: str, prompt: list[int], spec: RequestSpec) -> RequestHandle:
     params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
-    return await manager.add_request(request_id, prompt, params, priority=spec.priority, user=spec.user)
+    return await engine.submit(engine.prepare(prompt, params), request_id, priority=spec.priority, user=spec.user)
 
 
 def _prompts(specs: Sequence[RequestSpec], vocab_size: int, seed: int) -> list[list[int]]:

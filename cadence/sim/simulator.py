@@ -64,7 +64,7 @@ class EngineLimits:
         sized from the model's config the way the worker sizes it (no weights are loaded)."""
         if num_kv_blocks is None:
             from cadence.executor.worker import num_kv_blocks as size_pool
-            from cadence.models.llama import head_dim_of
+            from cadence.models.layers import head_dim_of
             from cadence.models.loader import load_hf_config
 
             hf = load_hf_config(config.model.path)

@@ -1,0 +1,100 @@
+"""Admission: a prompt and its sampling parameters, tokenized and checked once, before anything
+is sent to an engine core.
+
+Every check a request can fail runs here and raises :class:`~cadence.errors.InvalidRequestError`
+naming the field to change; a :class:`PreparedRequest` is a request that passed them all, which the
+request manager submits as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from cadence.config import EngineConfig
+from cadence.core.structured_output import check_constraint
+from cadence.errors import InvalidRequestError
+from cadence.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against before it is admitted."""
+
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int  # tokens the whole KV pool holds
+    eos_token_id: int | None
+
+    @classmethod
+    def of(cls, config: EngineConfig, hf_config: PretrainedConfig, num_blocks: int,
+           tokenizer: PreTrainedTokenizerBase) -> ModelLimits:
+        """The limits of a model served with ``config`` from a KV pool of ``num_blocks`` (null block included)."""
+        return cls(max_model_len=config.model.max_model_len, vocab_size=hf_config.vocab_size,
+                   kv_capacity_tokens=(num_blocks - 1) * config.cache.block_size,
+                   eos_token_id=tokenizer.eos_token_id)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request that passed admission: its prompt as token ids (with its text, when it came as
+    text) and the sampling parameters it was checked with."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None
+
+
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    """Token ids of a text prompt; a token-id prompt as a fresh list."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt).input_ids)
+    return list(prompt)
+
+
+def prepare_request(tokenizer: PreTrainedTokenizerBase, limits: ModelLimits, prompt: Prompt,
+                    params: SamplingParams) -> PreparedRequest:
+    """Tokenize ``prompt`` and check the request against ``limits``.
+
+    :raises InvalidRequestError: saying what to change, with the field in ``param``.
+    """
+    token_ids = tokenize_prompt(tokenizer, prompt)
+    check_request(limits, token_ids, params)
+    return PreparedRequest(token_ids, params, prompt if isinstance(prompt, str) else None)
+
+
+def check_request(limits: ModelLimits, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """:raises InvalidRequestError: if the request cannot be served, naming the field to change."""
+    num = len(prompt_token_ids)
+    if num == 0:
+        raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
+    if num >= limits.max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {num} tokens but the model's context length (max_model_len) is "
+            f"{limits.max_model_len}; shorten the prompt to at most {limits.max_model_len - 1}", "prompt")
+    if any(not isinstance(t, int) or not 0 <= t < limits.vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {limits.vocab_size})", "prompt")
+    _check_token_ids(limits.vocab_size, params)
+    if params.structured_outputs is not None:
+        try:
+            check_constraint(params.structured_outputs)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "structured_outputs") from None
+    max_tokens = params.max_tokens or limits.max_model_len
+    needed = min(num + max_tokens, limits.max_model_len)
+    if needed > limits.kv_capacity_tokens:
+        raise InvalidRequestError(
+            f"the request needs up to {needed} tokens of KV cache but the whole cache holds "
+            f"{limits.kv_capacity_tokens}; lower max_tokens or raise --kv-cache-memory", "max_tokens")
+
+
+def _check_token_ids(vocab_size: int, params: SamplingParams) -> None:
+    """Token ids in the parameters must be inside the model's vocabulary."""
+    for param, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+        for token_id in ids:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(f"{param}: token id {token_id} is outside the vocabulary "
+                                          f"(size {vocab_size})", param)

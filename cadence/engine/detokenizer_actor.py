@@ -1,0 +1,106 @@
+"""The detokenizer actor: token ids -> incremental text per sequence, stop strings, finish reasons.
+
+When a stop string matches, the sequence is finished here and the engine core is told to abort it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from cadence.engine.detokenizer import IncrementalDetokenizer
+from cadence.messages import (
+    AbortRequests,
+    DetokenizedOutputs,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SchedulerStats,
+    SequenceDelta,
+    TrackRequest,
+)
+from cadence.runtime.actor import UNBOUNDED, Actor, Mailbox
+from cadence.sampling_params import SamplingParams
+
+DetokenizerInbox = TrackRequest | EngineCoreOutputs
+
+
+class _Sequence:
+    __slots__ = ("detokenizer", "params")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, params: SamplingParams) -> None:
+        self.detokenizer = detokenizer
+        self.params = params
+
+
+class DetokenizerActor(Actor[DetokenizerInbox]):
+    inbox_size = UNBOUNDED
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.sequences: dict[str, _Sequence] = {}
+        # The engine core's state as of its latest step (metrics, health, tests).
+        self.latest_stats: SchedulerStats | None = None
+        self.engine_core: Mailbox[Any]
+        self.outputs_to: Mailbox[Any]
+
+    def connect(self, engine_core: Mailbox[Any], outputs_to: Mailbox[Any]) -> None:
+        self.engine_core = engine_core
+        self.outputs_to = outputs_to
+
+    async def run(self) -> None:
+        async with self.inbox:
+            async for message in self.inbox:
+                if isinstance(message, TrackRequest):
+                    self.sequences[message.request_id] = _Sequence(
+                        IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, message.sampling_params),
+                        message.sampling_params)
+                else:
+                    await self._process(message)
+
+    async def _process(self, batch: EngineCoreOutputs) -> None:
+        if batch.stats is not None:
+            self.latest_stats = batch.stats
+        deltas = []
+        stopped = []
+        for output in batch.outputs:
+            sequence = self.sequences.get(output.request_id)
+            if sequence is None:
+                continue  # finished here already (stop string); the engine's abort echo
+            delta = self._delta(sequence, output)
+            if delta.finish_reason is not None:
+                del self.sequences[output.request_id]
+                if output.finish_reason is None:
+                    stopped.append(output.request_id)
+            deltas.append(delta)
+        if stopped:
+            await self.engine_core.send(AbortRequests(stopped))
+        if deltas:
+            await self.outputs_to.send(DetokenizedOutputs(deltas))
+
+    def _delta(self, sequence: _Sequence, output: EngineCoreOutput) -> SequenceDelta:
+        detokenizer = sequence.detokenizer
+        text = detokenizer.update(output.new_token_ids).new_text
+        finish_reason, error = output.finish_reason, output.error
+        stop_reason: str | int | None = None
+        if finish_reason is not None and detokenizer.stop_string is None:
+            text += detokenizer.flush()  # may itself complete a stop string
+        if detokenizer.stop_string is not None:
+            # The text up to the stop string is a complete answer, whatever failed after it.
+            finish_reason, stop_reason, error = "stop", detokenizer.stop_string, None
+        elif finish_reason == "stop" and output.new_token_ids:
+            last = output.new_token_ids[-1]
+            if last in sequence.params.stop_token_ids:
+                stop_reason = last
+        return SequenceDelta(
+            request_id=output.request_id,
+            new_text=text,
+            new_token_ids=output.new_token_ids,
+            new_logprobs=output.new_logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_cached_tokens=output.num_cached_tokens,
+            queue_time_s=output.queue_time_s,
+            error=error,
+        )

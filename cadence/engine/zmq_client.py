@@ -1,0 +1,125 @@
+"""The engine core in its own process (:mod:`cadence.core.core_process`), reached over two ZMQ
+sockets: requests and aborts out, outputs in.
+
+The client starts the process with multiprocessing's ``spawn``, waits for its ready message, and
+watches it: if the process exits, or reports its own death, every request pending on it fails at
+once. :meth:`ZmqCoreClient.shutdown` stops it with SIGTERM (the engine core stops its workers
+first), SIGKILL after a timeout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import zmq.asyncio
+
+from cadence.config import EngineConfig
+from cadence.core.core_process import EngineAddresses, engine_core_main
+from cadence.engine.core_client import EngineCoreClient
+from cadence.errors import EngineDeadError
+from cadence.messages import (
+    EngineCoreEvent,
+    EngineCoreInput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineDead,
+)
+from cadence.runtime.actor import Actor, Mailbox
+from cadence.runtime.forwarder import Forwarder
+from cadence.runtime.zmq_channel import ZmqReceiveChannel, ZmqSendChannel
+
+
+class ZmqCoreClient(EngineCoreClient):
+    """The front end's handle on one engine-core process and its two channels."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "WARNING") -> None:
+        self.rank = rank = config.parallel.data_parallel_rank
+        self.addresses = EngineAddresses.fresh()
+        # Not a daemon under the mp executor: daemons may not start processes, and that engine core
+        # starts its tensor-parallel workers. shutdown() stops it either way; its workers exit with it.
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=engine_core_main, args=(config, self.addresses, log_level),
+            name=f"cadence-engine-core-{rank}", daemon=config.parallel.executor_backend != "mp")
+        self._context = zmq.asyncio.Context()
+        self.inputs: ZmqSendChannel[EngineCoreInput] = ZmqSendChannel(
+            self._context, self.addresses.input, EngineCoreInput, bind=False)
+        self.outputs: ZmqReceiveChannel[Any] = ZmqReceiveChannel(
+            self._context, self.addresses.output, EngineCoreEvent, bind=False)
+
+    def start(self) -> None:
+        self.process.start()
+
+    async def wait_ready(self, timeout_s: float) -> EngineCoreReady:
+        """Wait for the engine core's ready message; it sets :attr:`num_blocks`.
+
+        :raises RuntimeError: if the engine core failed, exited or timed out while starting.
+        """
+        with anyio.move_on_after(timeout_s) as scope:
+            async with anyio.create_task_group() as group:
+                result: list[EngineCoreReady | EngineDead | str] = []
+
+                async def first_message() -> None:
+                    result.append(await self.outputs.receive())
+                    group.cancel_scope.cancel()
+
+                async def death() -> None:
+                    code = await self._wait_exit()
+                    result.append(f"engine core exited with code {code} while starting")
+                    group.cancel_scope.cancel()
+
+                group.start_soon(first_message)
+                group.start_soon(death)
+        if scope.cancelled_caught or not result:
+            raise RuntimeError(f"engine core did not become ready within {timeout_s:.0f} s")
+        first = result[0]
+        if isinstance(first, EngineCoreReady):
+            self.num_blocks = first.num_blocks
+            return first
+        raise RuntimeError(first.error if isinstance(first, EngineDead) else first)
+
+    def connect(self, outputs_to: Mailbox[EngineCoreOutputs], on_dead: Callable[[str], None]
+                ) -> tuple[Mailbox[EngineCoreInput], list[Actor[Any]]]:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        routes: dict[type, Mailbox[Any]] = {EngineCoreOutputs: outputs_to, EngineDead: _DeathNotice(on_dead)}
+        return self.inputs, [Forwarder(self.outputs, routes, f"engine-output-{self.rank}")]
+
+    async def watch(self, on_dead: Callable[[str], None]) -> None:
+        code = await self._wait_exit()
+        on_dead(f"engine core process exited with code {code}")
+
+    async def _wait_exit(self) -> int | None:
+        """Block (without CPU) until the process exits; its exit code."""
+        await anyio.to_thread.run_sync(self.process.join, abandon_on_cancel=True)
+        return self.process.exitcode
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM (the engine core stops its workers, within ``timeout_s``), else SIGKILL."""
+        self.inputs.close()
+        self.outputs.close()
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self._context.term()
+        # The engine core exits without closing its bound sockets' files.
+        self.addresses.remove_files()
+
+
+class _DeathNotice:
+    """The mailbox for an ``EngineDead`` message from the engine-core process."""
+
+    def __init__(self, on_dead: Callable[[str], None]) -> None:
+        self._on_dead = on_dead
+
+    async def send(self, message: EngineDead) -> None:
+        self._on_dead(message.error)
+
+    def close(self) -> None:
+        pass

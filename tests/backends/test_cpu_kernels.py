@@ -1,0 +1,182 @@
+"""The C++ CPU kernels: paged attention (``cadence/backends/csrc/paged_attention.cpp``) against naive
+fp32 attention, through the ``sdpa`` backend that calls it, and the backend's torch-op path it
+replaces; the layer ops and the sampler's argmax against the torch ops they replace. (The bf16 GEMM
+has its own tests: test_packed_weights.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cadence.backends import sdpa_backend
+from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.sdpa_backend import SDPABackend
+from cadence.backends.testing import PagedBatch, random_paged_batch, run_backend
+
+CPU = torch.device("cpu")
+# Where the CPU has AVX-512 the kernels must build, so a broken build fails here rather than skipping.
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                                reason="cadence's CPU kernels need AVX-512")
+
+
+def _naive(batch: PagedBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """fp32 causal attention of every query over its request's context, read slot by slot from the
+    canonical caches ``[blocks, block_size, Hkv, D]`` after the step's writes."""
+    layout, scale = batch.layout, batch.head_dim ** -0.5
+    block_size, group = k_cache.shape[1], batch.num_heads // batch.num_kv_heads
+    outs = []
+    starts = layout.query_start_loc.tolist()
+    for i, seq_len in enumerate(layout.seq_lens.tolist()):
+        positions = torch.arange(seq_len)
+        slots = layout.block_table[i].long()[positions // block_size] * block_size + positions % block_size
+        keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+        values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+        q = batch.q[starts[i]:starts[i + 1]].float().transpose(0, 1)
+        query_pos = torch.arange(seq_len - q.shape[1], seq_len)[:, None]
+        scores = (q @ keys.transpose(1, 2) * scale).masked_fill(positions[None, :] > query_pos, float("-inf"))
+        outs.append((F.softmax(scores, -1) @ values).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _check(batch: PagedBatch, atol: float) -> torch.Tensor:
+    backend = SDPABackend(batch.num_heads, batch.num_kv_heads, batch.head_dim, batch.head_dim ** -0.5)
+    out, k_cache, v_cache = run_backend(backend, batch)
+    torch.testing.assert_close(out.float(), _naive(batch, k_cache, v_cache), atol=atol, rtol=0)
+    return out
+
+
+def test_kernel_builds_where_the_cpu_has_avx512() -> None:
+    assert cpu_ops() is not None
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_decodes_match_naive_attention(dtype: torch.dtype, atol: float, heads: int, kv_heads: int,
+                                       head_dim: int, block_size: int) -> None:
+    # contexts that end inside, at the end of, and just past a block and a 16-wide vector
+    requests = [(0, 1), (14, 1), (15, 1), (16, 1), (31, 1), (99, 1)]
+    _check(random_paged_batch(requests, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim), atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(32, 16), (128, 5)])
+def test_mixed_batch_matches_naive_attention(dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    """Decodes between fresh prefills and prefills over cached prefixes, some longer than one
+    16-row tile, with keys chunked at block edges."""
+    requests = [(40, 1), (0, 9), (7, 1), (20, 6), (3, 1), (16, 16), (0, 37), (5, 17)]
+    _check(random_paged_batch(requests, 6, 2, head_dim, block_size, dtype, seed=1),
+           atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_torch_path_agrees_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel cannot run (no AVX-512, no compiler) the backend's torch ops give the same answer."""
+    batch = random_paged_batch([(50, 1), (0, 4), (17, 1)], 9, 3, 64, 16, seed=2)
+    with_kernel = _check(batch, atol=1e-5)
+    monkeypatch.setattr(sdpa_backend, "cpu_ops", lambda: None)
+    torch.testing.assert_close(_check(batch, atol=1e-5), with_kernel, atol=1e-5, rtol=0)
+
+
+# The layer ops (csrc/layer_ops.cpp) against the torch ops they replace in cadence/models/layers.py
+# (RMSNorm, RoPE) and cadence/models/llama.py (SiLU-and-multiply).
+
+def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _assert_within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal in fp32 up to summation order; in bf16 at most one unit in the last place apart."""
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+        return
+    ulp = torch.finfo(actual.dtype).eps * expected.float().abs().clamp_min(torch.finfo(actual.dtype).tiny)
+    assert bool(((actual.float() - expected.float()).abs() <= ulp * 1.01).all())
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 40])  # SmolLM2's, and one with a 16-wide tail
+def test_rms_norm_and_fused_add_match_torch(dtype: torch.dtype, hidden: int) -> None:
+    ops = cpu_ops()
+    gen = torch.Generator().manual_seed(hidden)
+    x, residual = (torch.randn(37, hidden, generator=gen).to(dtype) for _ in "xr")
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, weight, 1e-5)
+    _assert_within_one_ulp(out, _torch_norm(x, weight, 1e-5))
+    summed = residual + x
+    fused_residual = residual.clone()
+    ops.add_rms_norm(out, fused_residual, x, weight, 1e-5)
+    assert torch.equal(fused_residual, summed)
+    _assert_within_one_ulp(out, _torch_norm(summed, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 24])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
+    gate_up = (torch.randn(33, 2 * width, generator=torch.Generator().manual_seed(width)) * 4).to(dtype)
+    out = gate_up.new_empty(33, width)
+    cpu_ops().silu_and_mul(out, gate_up)
+    gate, up = gate_up.split(width, dim=-1)
+    _assert_within_one_ulp(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 49152])
+def test_argmax_rows_is_torch_argmax(vocab: int) -> None:
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[0] = float("-inf")  # every token masked
+    logits[1] = 2.5  # all equal: the first
+    logits[2, vocab // 2] = float("nan")  # NaN wins, as in torch
+    if vocab > 4:
+        logits[3, 1] = logits[3, vocab - 1] = 1e9  # a tie between vector lanes and chunks
+        logits[4, vocab - 1] = 1e9  # the max in the tail
+    for rows in (logits, logits[::2], logits[:, :max(1, vocab - 1)]):  # strided rows, a row tail
+        assert torch.equal(cpu_ops().argmax_rows(rows), rows.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 40)])
+def test_rotary_embedding_rotates_q_and_k_in_place_like_transformers(dtype: torch.dtype, heads: int,
+                                                                      kv_heads: int, head_dim: int) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens, width = 21, (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=gen).to(dtype)
+    angles = torch.randn(50, head_dim // 2, generator=gen)
+    cos, sin = (torch.cat((f, f), -1).to(dtype) for f in (angles.cos(), angles.sin()))
+    positions = torch.randint(0, 50, (tokens,), generator=gen)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim).transpose(0, 1)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim).transpose(0, 1)
+    want_q, want_k = apply_rotary_pos_emb(q[None], k[None], cos[positions][None], sin[positions][None])
+    rotated = qkv.clone()
+    cpu_ops().rotary_embedding(rotated, positions, cos, sin, heads + kv_heads, head_dim)
+    got = rotated[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim).transpose(0, 1)
+    assert torch.equal(got[:heads], want_q[0]) and torch.equal(got[heads:], want_k[0])
+    assert torch.equal(rotated[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])  # v
+
+
+def test_generation_without_the_kernels_is_the_same(make_tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole model (norms, RoPE, SiLU, attention) on the kernels and on the torch-op fallback."""
+    from cadence import LLM, SamplingParams
+    from cadence.models import llama
+
+    folder = str(make_tiny_model("llama"))
+    prompts = [[5, 9, 60, 17], list(range(3, 44)), [7] * 20]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def run() -> list:
+        return [o.outputs[0] for o in LLM(model=folder, dtype="float32").generate(prompts, params, use_tqdm=False)]
+
+    fused = run()
+    monkeypatch.setattr(llama, "runs_kernels", lambda device, dtype: False)
+    monkeypatch.setattr(sdpa_backend, "cpu_ops", lambda: None)
+    plain = run()
+    for a, b in zip(fused, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close([p.logprobs[0] for p in a.logprobs], [p.logprobs[0] for p in b.logprobs],
+                                   atol=1e-5, rtol=0)
