@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -180,6 +181,13 @@ def threads_per_rank(device: DeviceConfig, parallel: ParallelConfig) -> int:
     engine core (tensor times data parallel): processes that each use every core run several
     times slower than one."""
     return device.num_threads or max(1, (os.cpu_count() or 1) // parallel.world_size_across_dp)
+
+
+def cache_dir() -> Path:
+    """cadence's cache folder, ``$CADENCE_CACHE_DIR`` or ``~/.cache/cadence``: converted GGUF models
+    (``gguf/``, :mod:`cadence.models.loader`) and the compiled CPU kernels (``kernels/``,
+    :mod:`cadence.backends.cpu_kernels`)."""
+    return Path(os.environ.get("CADENCE_CACHE_DIR") or Path.home() / ".cache" / "cadence")
 
 
 def parse_memory(text: str | int) -> int:

@@ -252,8 +252,7 @@ class SequenceDelta(_Message):
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
-    # With finish reason "error": why this sequence failed in the engine; with no finish reason:
-    # the engine died, and every pending request fails with this.
+    # With finish reason "error": why this sequence failed in the engine (its grammar did not compile ...).
     error: str | None = None
 
 

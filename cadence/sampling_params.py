@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json as _json
+import math
+import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -37,6 +40,13 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
                 _json.loads(self.json)
             except ValueError as exc:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        elif self.json is not None:
+            # Decoded from msgpack, a schema may hold what JSON cannot (bytes, arrays): refuse it
+            # here, where a frame is still dropped, not when the engine core compiles its key.
+            try:
+                _json.dumps(self.json)
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise ValueError(f"structured_outputs.json is not a JSON value: {exc}") from None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -91,14 +101,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(self.n >= 1, f"n must be at least 1, got {self.n}")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0")
+        _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         _check(self.top_k >= -1, f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
-        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2 <= self.frequency_penalty <= 2,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check_float("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        _check_float("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
         _check(self.max_tokens is None or self.max_tokens >= 1,
                f"max_tokens must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
@@ -107,9 +116,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
         _check(all(s for s in self.stop), "stop strings must not be empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids")
-        if self.logit_bias:
-            _check(all(-100 <= b <= 100 for b in self.logit_bias.values()),
-                   "logit_bias values must be in [-100, 100]")
+        for bias in (self.logit_bias or {}).values():
+            _check_float("logit_bias values", bias, lambda v: -100 <= v <= 100, "in [-100, 100]", show=False)
 
     @property
     def is_greedy(self) -> bool:
@@ -127,3 +135,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _check_float(name: str, value: float, ok: Callable[[float], bool], rule: str, *, show: bool = True) -> None:
+    """``value`` must be finite and satisfy ``ok``, and so must its float32 rounding (what the
+    sampler computes with): a top_p of 1e-50 is in (0, 1] but float32 makes it 0.
+
+    The message starts with ``name`` (the API names the field from it); it says ``rule`` alone
+    for a finite value outside it, as it always did.
+    """
+    got = f", got {value}" if show else ""
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        finite = False
+    _check(finite, f"{name} must be {rule} and finite{got}")
+    _check(ok(value), f"{name} must be {rule}{got}")
+    single = _float32(value)
+    if not (math.isfinite(single) and ok(single)):
+        raise ValueError(f"{name} must be {rule} and representable in float32{got} (float32 rounds it to {single})")
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (inf when it overflows)."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)

@@ -7,10 +7,11 @@ from policy_harness import Arrival, build_scheduler, run
 from test_policy_properties import check_fair_bound
 
 
-def test_fcfs_prefills_are_whole_and_block_the_line() -> None:
+def test_whole_prefills_block_the_line() -> None:
     # 10 tokens a step: a (8) runs; b (5) does not fit the 2 left, and c (1) may not jump it.
     workload = [Arrival(0, [1] * 8, 2), Arrival(0, [2] * 5, 2), Arrival(0, [3], 2)]
-    trace = run(build_scheduler("fcfs", budget=10, max_num_seqs=8, num_blocks=64, block_size=4), workload, eos_rate=0)
+    scheduler = build_scheduler("fcfs", {"chunked": "false"}, budget=10, max_num_seqs=8, num_blocks=64, block_size=4)
+    trace = run(scheduler, workload, eos_rate=0)
     assert trace.steps[0].output.num_scheduled_tokens == {"0": 8}
     assert trace.steps[1].output.num_scheduled_tokens == {"0": 1, "1": 5, "2": 1}
 

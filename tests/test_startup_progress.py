@@ -91,11 +91,11 @@ def _fake_compiler(calls: list[str]) -> Callable[..., None]:
 
 @pytest.fixture
 def compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """A fake compiler on an AVX-512 CPU with an empty extensions cache; the builds it was asked for."""
+    """A fake compiler on an AVX-512 CPU with an empty kernel cache; the builds it was asked for."""
     from torch.utils import cpp_extension
 
     calls: list[str] = []
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(cpp_extension, "load", _fake_compiler(calls))
     return calls
@@ -105,13 +105,14 @@ def test_a_kernel_build_is_announced_with_an_estimate_and_timed(compiler: list[s
                                                                  lines: Callable[[], list[str]]) -> None:
     cpu_kernels.cpu_ops.__wrapped__()  # uncached: a build
     said = lines()
-    assert compiler == ["cadence_cpu_kernels"] and len(said) == 2
+    name = f"cadence_cpu_kernels_{cpu_kernels.build_key()}"
+    assert compiler == [name] and len(said) == 2
     estimate = cpu_kernels.build_estimate_s()
     assert said[0] == f"compiling the CPU kernels, once per machine (about {estimate} s) ..."
-    assert re.fullmatch(r"compiled the CPU kernels in [\d.]+ s \(cached in .*torch_extensions.*\)", said[1])
+    assert re.fullmatch(r"compiled the CPU kernels in [\d.]+ s \(cached in .*/cache/kernels/[0-9a-f]{16}\)", said[1])
 
     cpu_kernels.cpu_ops.__wrapped__()  # the library is there: loaded silently
-    assert compiler == ["cadence_cpu_kernels"] * 2 and lines() == said
+    assert compiler == [name] * 2 and lines() == said
 
 
 def test_a_kernel_build_draws_a_bar_on_a_terminal(compiler: list[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from aiohttp import web
 from msgspec import Struct
@@ -20,7 +21,8 @@ import cadence
 from cadence.api.chat import create_chat_completion
 from cadence.api.completions import create_completion
 from cadence.api.errors import APIError, bad_request
-from cadence.api.params import chat_prompt, decode_request
+from cadence.api.offload import in_thread
+from cadence.api.params import chat_prompt
 from cadence.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -31,6 +33,7 @@ from cadence.api.protocol import (
     VersionResponse,
     encode,
 )
+from cadence.api.request_body import read_json
 from cadence.api.serving import APIState, ServerSettings, engine_dead
 from cadence.engine.async_engine import AsyncEngine
 
@@ -39,16 +42,16 @@ logger = logging.getLogger(__name__)
 STATE = web.AppKey("cadence_state", APIState)
 # Probes and scrapers reach these without the API key.
 _OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
-# Long prompts as JSON: well above aiohttp's 1 MiB default.
-_MAX_BODY_BYTES = 64 * 2**20
 
 Handler = Callable[[web.Request, APIState], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
     """The HTTP app over a running ``engine``; its state is at ``app[STATE]``."""
     middlewares = [_errors] if settings.api_key is None else [_errors, _auth(settings.api_key)]
-    app = web.Application(middlewares=middlewares, client_max_size=_MAX_BODY_BYTES)
+    # The handlers read bodies themselves (request_body.py); aiohttp's own limit, for anything else, is the same.
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_body_bytes)
     app[STATE] = APIState(engine, settings)
 
     def route(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -94,34 +97,59 @@ async def _metrics(request: web.Request, state: APIState) -> web.StreamResponse:
 
 
 async def _tokenize(request: web.Request, state: APIState) -> web.StreamResponse:
-    req = decode_request(await request.read(), TokenizeRequest)
+    """Any length of text (counting tokens past the context is what it is for), within the body limit
+    and the preprocessing deadline."""
+    req = await _read(request, state, TokenizeRequest)
     state.check_model(req.model)
+    tokenizer = state.tokenizer
     if req.messages is not None and req.prompt is None:
-        ids = chat_prompt(req.messages, state.tokenizer, req.add_generation_prompt)
+        messages = req.messages
+        ids = await in_thread(lambda: chat_prompt(messages, tokenizer, req.add_generation_prompt),
+                              timeout_s=state.settings.preprocess_timeout_s, what="rendering and tokenizing the "
+                              "messages", param="messages")
     elif req.prompt is not None and req.messages is None:
-        ids = list(state.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
+        prompt = req.prompt
+        ids = await in_thread(lambda: list(tokenizer(prompt, add_special_tokens=req.add_special_tokens).input_ids),
+                              timeout_s=state.settings.preprocess_timeout_s, what="tokenizing the prompt",
+                              param="prompt")
     else:
         raise bad_request("give exactly one of prompt and messages", param="prompt")
     return _json(TokenizeResponse(count=len(ids), max_model_len=state.limits.max_model_len, tokens=ids))
 
 
 async def _detokenize(request: web.Request, state: APIState) -> web.StreamResponse:
-    req = decode_request(await request.read(), DetokenizeRequest)
+    req = await _read(request, state, DetokenizeRequest)
     state.check_model(req.model)
     vocab = state.limits.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise bad_request(f"tokens must be ids in [0, {vocab})", param="tokens")
-    return _json(DetokenizeResponse(prompt=str(state.tokenizer.decode(req.tokens))))
+    text = await in_thread(lambda: str(state.tokenizer.decode(req.tokens)),
+                           timeout_s=state.settings.preprocess_timeout_s, what="decoding the tokens", param="tokens")
+    return _json(DetokenizeResponse(prompt=text))
+
+
+async def _read(request: web.Request, state: APIState, kind: type[T]) -> T:
+    settings = state.settings
+    return await read_json(request, kind, max_bytes=settings.max_request_body_bytes,
+                           timeout_s=settings.request_read_timeout_s)
 
 
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                   ) -> web.StreamResponse:
-    """Every error leaves in OpenAI's shape, aiohttp's own (404 route, 405, 413) included."""
+    """Every error leaves in OpenAI's shape, aiohttp's own (404 route, 405, 413) included. (What the
+    HTTP parser rejects never reaches the app: ``connection.py`` answers it.)"""
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        response = exc.response()
+        if exc.close:
+            # Sent now and the connection closed: aiohttp would otherwise wait up to its lingering
+            # time (10 s) for the rest of a body that is not coming before closing it.
+            await response.prepare(request)
+            await response.write_eof()
+            request.protocol.force_close()
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -11,7 +11,8 @@ from aiohttp import web
 
 from cadence.api.errors import bad_request
 from cadence.api.logprobs import chat_logprobs
-from cadence.api.params import chat_prompt, check_stream_options, decode_request, max_tokens_for, sampling_params
+from cadence.api.offload import in_thread
+from cadence.api.params import chat_prompt, check_stream_options, max_tokens_for, sampling_params, structured_outputs
 from cadence.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -26,9 +27,11 @@ from cadence.api.protocol import (
     Usage,
     encode,
 )
+from cadence.api.request_body import read_json
 from cadence.api.serving import APIState, Generation, prepare
 from cadence.api.streaming import SSEStream, stream_response
 from cadence.messages import RequestOutput
+from cadence.sampling_params import StructuredOutputsParams
 
 
 @dataclass
@@ -39,15 +42,16 @@ class _Choice:
 
 
 class _Chat:
-    """One chat request, validated and ready to run."""
+    """One chat request, validated and ready to run (its prompt rendered, its constraint checked)."""
 
-    def __init__(self, state: APIState, req: ChatCompletionRequest, model: str, arrival: float) -> None:
+    def __init__(self, state: APIState, req: ChatCompletionRequest, model: str, arrival: float,
+                 prompt_ids: list[int], constraint: StructuredOutputsParams | None) -> None:
         self.state = state
         self.req = req
         self.model = model
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.prompt_ids = chat_prompt(req.messages, state.tokenizer, req.add_generation_prompt)
+        self.prompt_ids = prompt_ids
         self.top_logprobs = _num_logprobs(req)
         requested: int | None
         if req.max_completion_tokens is not None:
@@ -56,7 +60,7 @@ class _Chat:
             requested, param = req.max_tokens, "max_tokens"
         max_tokens = max_tokens_for(requested, None, len(self.prompt_ids), state.limits, param=param,
                                     prompt_param="messages")
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=self.top_logprobs)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=self.top_logprobs, constraint=constraint)
         request = prepare(state, self.prompt_ids, params, prompt_param="messages")
         self.n = params.n
         self.generation = Generation(state, self.id, [request], priority=req.priority, user=req.user,
@@ -120,10 +124,19 @@ def _num_logprobs(req: ChatCompletionRequest) -> int | None:
 
 async def create_chat_completion(request: web.Request, state: APIState) -> web.StreamResponse:
     arrival = time.monotonic()
-    req = decode_request(await request.read(), ChatCompletionRequest)
+    settings = state.settings
+    req = await read_json(request, ChatCompletionRequest, max_bytes=settings.max_request_body_bytes,
+                          timeout_s=settings.request_read_timeout_s)
     model = state.check_model(req.model)
     include_usage = check_stream_options(req)
-    chat = _Chat(state, req, model, arrival)
+    constraint = structured_outputs(req)
+    state.check_admission(1)  # before the slow work, which an overloaded server should not do
+    prompt_ids = await in_thread(
+        lambda: chat_prompt(req.messages, state.tokenizer, req.add_generation_prompt, state.text_bound),
+        timeout_s=settings.preprocess_timeout_s, what="rendering and tokenizing the messages", param="messages")
+    if constraint is not None:
+        await state.constraints.check(*constraint)
+    chat = _Chat(state, req, model, arrival, prompt_ids, constraint[0] if constraint else None)
     with state.admitted(1) as entry:
         if not req.stream:
             async def collect(_: int, delta: RequestOutput) -> None:

@@ -11,14 +11,16 @@ from aiohttp import web
 
 from cadence.api.errors import bad_request
 from cadence.api.logprobs import completion_logprobs, merge_completion_logprobs
+from cadence.api.offload import in_thread
 from cadence.api.params import (
     DEFAULT_COMPLETION_TOKENS,
     check_stream_options,
-    decode_request,
+    completion_prompts,
     max_tokens_for,
+    num_prompts,
     sampling_params,
+    structured_outputs,
 )
-from cadence.api.params import completion_prompts as prompts_of
 from cadence.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -28,10 +30,12 @@ from cadence.api.protocol import (
     Usage,
     encode,
 )
+from cadence.api.request_body import read_json
 from cadence.api.serving import APIState, Generation, prepare
 from cadence.api.streaming import SSEStream, stream_response
 from cadence.engine.admission import PreparedRequest
 from cadence.messages import RequestOutput
+from cadence.sampling_params import StructuredOutputsParams
 
 
 @dataclass
@@ -45,15 +49,17 @@ class _Choice:
 
 
 class _Completion:
-    """One completions request, validated and ready to run."""
+    """One completions request, validated and ready to run (its prompts tokenized, its constraint
+    checked)."""
 
-    def __init__(self, state: APIState, req: CompletionRequest, model: str, arrival: float) -> None:
+    def __init__(self, state: APIState, req: CompletionRequest, model: str, arrival: float,
+                 prompts: list[tuple[list[int], str]], constraint: StructuredOutputsParams | None) -> None:
         self.state = state
         self.req = req
         self.model = model
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        prompts = prompts_of(req, state.tokenizer)
+        self.constraint = constraint
         self.prompt_ids = [ids for ids, _ in prompts]
         self.echo = [text if req.echo else "" for _, text in prompts]
         requests = [self._prepare(ids) for ids in self.prompt_ids]
@@ -66,7 +72,7 @@ class _Completion:
     def _prepare(self, prompt_ids: list[int]) -> PreparedRequest:
         req = self.req
         max_tokens = max_tokens_for(req.max_tokens, DEFAULT_COMPLETION_TOKENS, len(prompt_ids), self.state.limits)
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=self.constraint)
         return prepare(self.state, prompt_ids, params, prompt_param="prompt")
 
     def apply(self, prompt_index: int, delta: RequestOutput) -> list[CompletionChoice]:
@@ -116,11 +122,19 @@ class _Completion:
 
 async def create_completion(request: web.Request, state: APIState) -> web.StreamResponse:
     arrival = time.monotonic()
-    req = decode_request(await request.read(), CompletionRequest)
+    settings = state.settings
+    req = await read_json(request, CompletionRequest, max_bytes=settings.max_request_body_bytes,
+                          timeout_s=settings.request_read_timeout_s)
     model = state.check_model(req.model)
     _check_unsupported(req)
     include_usage = check_stream_options(req)
-    completion = _Completion(state, req, model, arrival)
+    constraint = structured_outputs(req)
+    state.check_admission(num_prompts(req))  # before the slow work, which an overloaded server should not do
+    prompts = await in_thread(lambda: completion_prompts(req, state.tokenizer, state.text_bound),
+                              timeout_s=settings.preprocess_timeout_s, what="tokenizing the prompt", param="prompt")
+    if constraint is not None:
+        await state.constraints.check(*constraint)
+    completion = _Completion(state, req, model, arrival, prompts, constraint[0] if constraint else None)
     with state.admitted(len(completion.prompt_ids)) as entry:
         if not req.stream:
             async def collect(prompt_index: int, delta: RequestOutput) -> None:

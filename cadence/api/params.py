@@ -6,15 +6,14 @@ what to change and names the field.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 import jinja2
-import msgspec
 from transformers import PreTrainedTokenizerBase
 
-from cadence.api.errors import APIError, bad_request, from_validation_error, from_value_error
-from cadence.api.protocol import ChatMessage, CompletionRequest, ResponseFormat, SamplingFields
-from cadence.core.structured_output import check_constraint
+from cadence.api.errors import APIError, bad_request, from_value_error
+from cadence.api.protocol import INT64_MAX, ChatMessage, CompletionRequest, ResponseFormat, SamplingFields
 from cadence.engine.admission import ModelLimits
 from cadence.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -23,39 +22,26 @@ _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # The legacy completions endpoint's default.
 DEFAULT_COMPLETION_TOKENS = 16
 
-T = TypeVar("T")
-_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The request's ``SamplingParams``, with its ``constraint`` (from :func:`structured_outputs`,
+    checked).
 
-
-def decode_request(raw: bytes, kind: type[T]) -> T:
-    """Decode and type-check a JSON body in one pass.
-
-    :raises APIError: 400 for malformed JSON, or a missing, mistyped or out-of-range field (``param``
-        names it).
+    :raises APIError: 400 for a value ``SamplingParams`` rejects, or a ``seed`` whose last sequence's
+        seed (``seed + n - 1``: each of the ``n`` sequences gets ``seed + index``) is over 64 bits.
     """
-    decoder = _decoders.get(kind)
-    if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
-    try:
-        result: T = decoder.decode(raw)
-        return result
-    except msgspec.ValidationError as exc:
-        raise from_validation_error(exc) from None
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-
-
-def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """:raises APIError: 400 for a value ``SamplingParams`` rejects."""
 
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
     stop = req.stop
-    constraint = structured_outputs(req)
+    n = pick(req.n, 1)
+    if req.seed is not None and req.seed + n - 1 > INT64_MAX:
+        raise bad_request(f"seed must be at most {INT64_MAX - n + 1} with n={n}: sequence i gets seed + i, which must "
+                          f"fit in 64 bits", param="seed")
     try:
         return SamplingParams(
-            n=pick(req.n, 1),
+            n=n,
             temperature=pick(req.temperature, 1.0),
             top_p=pick(req.top_p, 1.0),
             top_k=pick(req.top_k, 0),
@@ -79,27 +65,32 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         raise from_value_error(exc, _PARAM_FIELDS) from None
 
 
-def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
-    """The request's output constraint, from ``response_format`` or ``structured_outputs``, checked.
+def structured_outputs(req: SamplingFields) -> tuple[StructuredOutputsParams, str] | None:
+    """The request's output constraint, from ``response_format`` or ``structured_outputs``, and the
+    field that holds it; not yet checked (``APIState.constraints`` does that, off the event loop).
 
-    :raises APIError: 400 naming the field, for both fields at once, a ``json_schema`` format without
-        a schema, or a constraint that does not compile (invalid JSON schema, regex or grammar).
+    A JSON schema comes back as its compact text (the constraint's key), not as parsed JSON: what
+    travels to the engine core is then a string, whatever numbers the schema holds (msgpack carries
+    no integer beyond 64 bits).
+
+    :raises APIError: 400 naming the field, for both fields at once, or a ``json_schema`` format
+        without a schema.
     """
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         constraint = req.structured_outputs
         if constraint is None:
             return None
-        param = f"structured_outputs.{constraint.key[0]}"
+        kind, spec = constraint.key
+        param = f"structured_outputs.{kind}"
     elif req.structured_outputs is not None:
         raise bad_request("give response_format or structured_outputs, not both", param="structured_outputs")
     else:
         constraint, param = _response_format_constraint(fmt)
-    try:
-        check_constraint(constraint)
-    except ValueError as exc:
-        raise bad_request(f"{param}: {exc}", param=param) from None
-    return constraint
+        kind, spec = constraint.key
+    if kind == "json":
+        constraint = StructuredOutputsParams(json=spec)
+    return constraint, param
 
 
 def _response_format_constraint(fmt: ResponseFormat) -> tuple[StructuredOutputsParams, str]:
@@ -144,10 +135,48 @@ def max_tokens_for(requested: int | None, default: int | None, num_prompt_tokens
     return requested
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], str]]:
+@dataclass(frozen=True)
+class TextBound:
+    """The most text that can still fit the context: ``max_model_len`` tokens of at most
+    ``token_bytes`` bytes each (:func:`longest_token_bytes`). A longer text is refused before it is
+    tokenized, however long it is."""
+
+    max_model_len: int
+    token_bytes: int
+
+    @property
+    def max_bytes(self) -> int:
+        return self.max_model_len * self.token_bytes
+
+    def check(self, text_bytes: int, param: str) -> None:
+        """:raises APIError: 400 ``context_length_exceeded`` for ``text_bytes`` over :attr:`max_bytes`."""
+        if text_bytes > self.max_bytes:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and no token "
+                              f"stands for more than {self.token_bytes} bytes of text, so no prompt over "
+                              f"{self.max_bytes} bytes can fit; this one has {text_bytes} bytes. Shorten it",
+                              param=param, code="context_length_exceeded")
+
+
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the UTF-8 bytes of text one token stands for: the longest entry of the
+    vocabulary (added tokens included) as the tokenizer spells it, which is never shorter than the
+    text it stands for (byte-level BPE spells a byte in 1 or 2 bytes, SentencePiece a space as "▁",
+    3 bytes, a byte-fallback token as "<0x41>"). Assumes no normalizer that deletes text.
+    """
+    return max((len(token.encode()) for token in tokenizer.get_vocab()), default=1)
+
+
+def num_prompts(req: CompletionRequest) -> int:
+    """How many prompts the request holds (before they are checked)."""
+    prompt = req.prompt
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: PreTrainedTokenizerBase,
+                       bound: TextBound | None = None) -> list[tuple[list[int], str]]:
     """The request's prompts (one or a batch) as token ids, each with its text (for ``echo``).
 
-    :raises APIError: 400 for an empty or mixed ``prompt``.
+    :raises APIError: 400 for an empty or mixed ``prompt``, or a text over ``bound``.
     """
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -161,6 +190,10 @@ def completion_prompts(req: CompletionRequest, tokenizer: PreTrainedTokenizerBas
     else:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                           "lists of token ids", param="prompt")
+    if bound is not None:  # every text before any is tokenized
+        for item in items:
+            if isinstance(item, str):
+                bound.check(len(item.encode()), "prompt")
     prompts = []
     for item in items:
         if isinstance(item, str):
@@ -172,10 +205,11 @@ def completion_prompts(req: CompletionRequest, tokenizer: PreTrainedTokenizerBas
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, bound: TextBound | None = None) -> list[int]:
     """Render the conversation with the tokenizer's chat template, as ``LLM.chat`` does.
 
-    :raises APIError: 400 for an unknown role, non-text content, or a template that rejects it.
+    :raises APIError: 400 for an unknown role, non-text content, a template that rejects it, or
+        contents that together are over ``bound`` (a template renders every message's content).
     """
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
@@ -192,6 +226,8 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
         if message.name is not None:
             entry["name"] = message.name
         conversation.append(entry)
+    if bound is not None:
+        bound.check(sum(len(entry["content"].encode()) for entry in conversation), "messages")
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     try:

@@ -24,13 +24,26 @@ from cadence.sampling_params import StructuredOutputsParams
 
 # vLLM's default cap on logprobs (the spec allows 5 for completions, 20 for chat).
 MAX_LOGPROBS = 20
+# Every integer is range-checked here, at the edge, to what the engine carries: msgpack (the engine
+# core's codec) holds no integer beyond 64 bits, and nothing downstream should meet one it cannot
+# store. JSON numbers are always finite here: msgspec refuses 1e999 ("Number out of range").
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 Probability = Annotated[float, Meta(ge=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
-TokenCount = Annotated[int, Meta(ge=0)]
+TokenCount = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+# Vocabularies are far below 2**31; the model's own bound is checked at admission.
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+# SamplingParams says what a too small top_k means; here only the storage bound.
+TopK = Annotated[int, Meta(ge=INT32_MIN, le=INT32_MAX)]
+# 64 bits, as vLLM's; sequence i of n gets seed + i, checked in params.sampling_params.
+Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+# 32 bits: any ordering a client needs, and room for a policy's arithmetic (aging) within 64 bits.
+Priority = Annotated[int, Meta(ge=INT32_MIN, le=INT32_MAX)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -60,35 +73,35 @@ class SamplingFields(Struct, kw_only=True):
     max_tokens: TokenCount | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[TokenId, float] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: Probability | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: TokenCount = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Priority = 0
     structured_outputs: StructuredOutputsParams | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     """``POST /v1/completions``: one prompt (text or token ids) or a batch of them."""
 
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | TokenId | list[TokenId]]
     echo: bool = False
     logprobs: NumLogprobs | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Meta(ge=INT32_MIN, le=INT32_MAX)] | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -100,7 +113,8 @@ class ContentPart(Struct, kw_only=True):
 
 class ChatMessage(Struct, kw_only=True):
     role: str
-    content: str | list[ContentPart] | None = None
+    # As OpenAI: a list of parts holds at least one.
+    content: str | Annotated[list[ContentPart], Meta(min_length=1)] | None = None
     name: str | None = None
 
 
@@ -126,7 +140,7 @@ class TokenizeRequest(Struct, kw_only=True):
 
 class DetokenizeRequest(Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses -----------------------------------------------------------------------------

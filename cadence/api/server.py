@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -25,6 +26,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cadence.api.limits import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_PREPROCESS_TIMEOUT_S,
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
+)
 from cadence.engine_args import add_engine_args, engine_args_from
 
 if TYPE_CHECKING:
@@ -45,6 +52,7 @@ class ServeOptions:
     shutdown_timeout_s: float = 10.0
     stay_up_on_engine_death: bool = False
     log_level: str = "WARNING"
+    engine_stall_timeout_s: float | None = 120.0  # None: no watchdog
 
 
 def register(verbs: Any) -> None:
@@ -71,6 +79,22 @@ def register(verbs: Any) -> None:
     g.add_argument("--stay-up-on-engine-death", action="store_true",
                    help="keep serving (503 on /health and on requests) if an engine core dies, instead of "
                         "exiting non-zero")
+    g.add_argument("--engine-stall-timeout", type=float, default=120.0,
+                   help="seconds an engine core may stay silent while requests are pending before it counts as "
+                        "dead (a step that never ends): its requests fail, /health says why "
+                        "(default: %(default)s; 0: never)")
+    limits = serve.add_argument_group("request limits (docs/operations.md)")
+    limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="largest request body accepted; a larger one gets 413 (default: %(default)s, 4 MiB)")
+    limits.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+                        help="seconds a request body may take to arrive; a slower or truncated one gets 408 and "
+                             "its connection is closed (default: %(default)s)")
+    limits.add_argument("--preprocess-timeout", type=float, default=DEFAULT_PREPROCESS_TIMEOUT_S,
+                        help="seconds tokenizing a request's prompts (and rendering its chat template) may take; "
+                             "a slower one gets 400 (default: %(default)s)")
+    limits.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+                        help="seconds a request waits for its structured-output constraint (JSON schema, regex, "
+                             "grammar) to compile; a slower one gets 400 (default: %(default)s)")
     serve.set_defaults(run=run_server)
 
 
@@ -97,14 +121,21 @@ def run_server(ns: argparse.Namespace) -> int:
     prometheus_client.disable_created_metrics()
     if ns.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
+    if not ns.engine_stall_timeout >= 0 or ns.engine_stall_timeout == math.inf:  # nan, negative or inf
+        raise ValueError(f"--engine-stall-timeout must be >= 0 (0: never), got {ns.engine_stall_timeout}")
     config = replace(engine_args_from(ns), usage_context="serving").create_config()
     settings = ServerSettings(
         served_model_names=tuple(ns.served_model_name or [default_model_name(ns.model)]),
         api_key=ns.api_key or None,
         max_waiting_requests=ns.max_waiting_requests or None,
+        max_request_body_bytes=ns.max_request_body_bytes,
+        request_read_timeout_s=ns.request_read_timeout,
+        preprocess_timeout_s=ns.preprocess_timeout,
+        grammar_compile_timeout_s=ns.grammar_compile_timeout,
     )
     options = ServeOptions(host=ns.host, port=ns.port, shutdown_timeout_s=ns.shutdown_timeout,
-                           stay_up_on_engine_death=ns.stay_up_on_engine_death, log_level=ns.log_level.upper())
+                           stay_up_on_engine_death=ns.stay_up_on_engine_death, log_level=ns.log_level.upper(),
+                           engine_stall_timeout_s=ns.engine_stall_timeout or None)
     return asyncio.run(serve(config, settings, options))
 
 
@@ -159,7 +190,7 @@ async def serve(config: EngineConfig, settings: ServerSettings, options: ServeOp
             try:
                 engine = await stack.enter_async_context(AsyncEngine.launch(
                     config, max_waiting_requests=settings.max_waiting_requests, on_dead=lifecycle.on_dead,
-                    log_level=options.log_level))
+                    log_level=options.log_level, stall_timeout_s=options.engine_stall_timeout_s))
             except RuntimeError as exc:  # the engine core failed to start
                 print(f"cadence: {exc}", file=sys.stderr)
                 return 1
@@ -178,10 +209,13 @@ async def _serve_http(engine: AsyncEngine, settings: ServerSettings, options: Se
     from aiohttp import web
 
     from cadence.api.app import STATE, build_app
+    from cadence.api.connection import APIRunner
+    from cadence.api.limits import KEEPALIVE_TIMEOUT_S
 
     app = build_app(engine, settings)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
+    runner = APIRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None,
+                       keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
     try:

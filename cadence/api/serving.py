@@ -19,9 +19,17 @@ from typing import cast
 
 import anyio
 
-from cadence.api.errors import APIError, bad_request
+from cadence.api.constraints import ConstraintChecks
+from cadence.api.errors import APIError, bad_request, overloaded
+from cadence.api.limits import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_PREPROCESS_TIMEOUT_S,
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
+)
 from cadence.api.logprobs import TokenTexts
 from cadence.api.metrics import APIMetrics, EngineState, RequestTimer
+from cadence.api.params import TextBound, longest_token_bytes
 from cadence.engine.admission import PreparedRequest
 from cadence.engine.async_engine import AsyncEngine
 from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -38,10 +46,20 @@ class ServerSettings:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     max_waiting_requests: int | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    preprocess_timeout_s: float = DEFAULT_PREPROCESS_TIMEOUT_S
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("give at least one served model name")
+        for flag, value in (("--max-request-body-bytes", self.max_request_body_bytes),
+                            ("--request-read-timeout", self.request_read_timeout_s),
+                            ("--preprocess-timeout", self.preprocess_timeout_s),
+                            ("--grammar-compile-timeout", self.grammar_compile_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
 
     @property
     def model_name(self) -> str:
@@ -69,6 +87,8 @@ class APIState:
         self.limits = engine.limits
         self.texts = TokenTexts(engine.tokenizer)
         self.metrics = APIMetrics(settings.model_name, self.limits.max_model_len, self._engine_states)
+        self.constraints = ConstraintChecks(settings.grammar_compile_timeout_s)
+        self.text_bound = TextBound(self.limits.max_model_len, longest_token_bytes(engine.tokenizer))
         self.created = int(time.time())
         self.closing = False
         self._in_flight: set[InFlight] = set()
@@ -93,9 +113,9 @@ class APIState:
         """Admit a request of ``num_requests`` prompts and count it as in flight while inside; a
         graceful shutdown waits for it, then cancels ``entry.scope`` (see :class:`Generation`).
 
-        :raises APIError: 503 when shutting down, the engine is dead, or too many requests wait.
+        :raises APIError: as :meth:`check_admission`.
         """
-        self._check_admission(num_requests)
+        self.check_admission(num_requests)
         entry = InFlight()
         self._in_flight.add(entry)
         try:
@@ -103,16 +123,27 @@ class APIState:
         finally:
             self._in_flight.discard(entry)
 
-    def _check_admission(self, num_requests: int) -> None:
+    def check_admission(self, num_requests: int) -> None:
+        """Whether a request of ``num_requests`` prompts would be admitted now (handlers ask before
+        tokenizing, so that an overloaded server does no work for a request it refuses).
+
+        :raises APIError: 503 when shutting down, the engine is dead, or too many requests wait
+            (with ``Retry-After``); 400 for a batch that could never be admitted.
+        """
         if self.closing:
             raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
         if self.engine.dead is not None:
             raise engine_dead(self.engine.dead)
         limit = self.settings.max_waiting_requests
+        if limit is None:
+            return
+        if num_requests > limit:
+            raise bad_request(f"the request has {num_requests} prompts; this server admits at most {limit} at once "
+                              f"(--max-waiting-requests); split the batch", param="prompt")
         pending = self.engine.num_pending_requests
-        if limit is not None and pending + num_requests > limit:
-            raise APIError(503, f"the server is overloaded: {pending} requests pending "
-                                f"(--max-waiting-requests {limit}); retry later", code="engine_overloaded")
+        if pending + num_requests > limit:
+            raise overloaded(f"the server is overloaded: {pending} requests pending (--max-waiting-requests "
+                             f"{limit}); retry later")
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests, wait up to ``grace_s`` for those in flight, then abort the rest."""
@@ -219,7 +250,7 @@ class Generation:
             outcome = "error"
             raise engine_dead(str(exc)) from None
         except EngineOverloadedError as exc:
-            raise APIError(503, str(exc), code="engine_overloaded") from None
+            raise overloaded(str(exc)) from None
         except InvalidRequestError as exc:  # only a request id in use gets here: the checks ran in prepare()
             raise bad_request(str(exc), param=exc.param) from None
         finally:

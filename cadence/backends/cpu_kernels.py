@@ -4,31 +4,50 @@
 fuses a decoder layer's per-token ops (RMSNorm with its residual add, RoPE, SiLU-and-multiply);
 ``bf16_linear.cpp`` is the bf16 GEMM of the linear layers on CPUs with AVX512-BF16; ``greedy.cpp``
 is the sampler's argmax.
-The build runs once per machine: about 85 CPU-seconds here (48 s on 2 cores), so it says so on the
-``cadence.startup`` logger before and after, with a progress bar of the files compiled on a
-terminal. torch caches it under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``),
-so later processes load it in about 0.1 s, silently. The cache is one folder per name, not per
-checkout: two checkouts sharing it rebuild it in turn, its build file naming the sources' paths.
+The build runs once per set of sources: about 85 CPU-seconds here (48 s on 2 cores), so it says so
+on the ``cadence.startup`` logger before and after, with a progress bar of the files compiled on a
+terminal. It goes into a folder of cadence's cache, ``<cache>/kernels/<key>/`` (:func:`cadence.config.cache_dir`:
+``$CADENCE_CACHE_DIR`` or ``~/.cache/cadence``; ``$TORCH_EXTENSIONS_DIR`` plays no part), where
+the key (:func:`build_key`) hashes the bytes of every ``.cpp`` and ``.h`` of ``csrc/``, the compile
+flags, the torch version and the Python ABI: checkouts with the same sources share one build, and
+different sources never overwrite each other's. The sources are compiled from a copy in the
+folder's ``src/``, so the build file names the same paths whichever checkout wrote it. Later
+processes load it in about 0.1 s, silently.
+Processes take turns in a folder under an advisory lock (``cadence.lock``, which the OS frees when
+its holder dies), waiting at most ``$CADENCE_KERNEL_LOCK_TIMEOUT_S`` (default 300 s) for another
+one's build, and saying so; holding it, a torch ``lock`` file there was left by a killed build, on
+which torch would wait forever: it is removed, with a warning.
 Where the kernels cannot run (no AVX-512, no C++ compiler, a failed build) :func:`cpu_ops` returns
 None and callers keep their torch-op path, after one warning that says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
 import logging
 import math
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
-from typing import Any, TextIO
+from types import ModuleType, TracebackType
+from typing import IO, Any, TextIO
 
 import torch
 
+from cadence.config import cache_dir
 from cadence.startup_log import startup
+
+fcntl: ModuleType | None
+try:
+    import fcntl
+except ImportError:  # not POSIX: the torch lock's age alone tells a killed build
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +57,13 @@ _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "greedy.c
 # The instruction sets the kernels use (the build targets exactly these, not the build machine); no
 # contraction of a multiply and an add into one FMA where torch rounds the product first.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
+_LDFLAGS = ["-fopenmp"]
+# Part of the build key: bump it when the build folder's layout or its locking changes.
+_LAYOUT = 1
+# The longest wait for another process's build (a build takes about 50 s on 2 cores, 90 s on one),
+# and the age beyond which a torch lock file is a killed build's.
+_LOCK_TIMEOUT_ENV = "CADENCE_KERNEL_LOCK_TIMEOUT_S"
+_LOCK_TIMEOUT_S = 300.0
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # The build's cost, measured on a 2-core AVX-512 machine: about 85 CPU-seconds in all, the three large
 # sources about 25 s each (mostly torch's headers and -O3), greedy.cpp 10 s; ninja compiles them in
@@ -48,6 +74,7 @@ _SLOWEST_SOURCE_S = 25.0
 # taken this long; a cached load takes about 0.1 s.
 _UNFORESEEN_BUILD_S = 2.0
 _POLL_S = 0.5
+_LOCK_POLL_S = 0.1
 
 
 @functools.cache
@@ -62,11 +89,15 @@ def cpu_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        build_dir = _build_directory()
-        with _BuildProgress(build_dir):
-            load(_NAME, sources=[str(_CSRC / name) for name in _SOURCES], extra_cflags=_FLAGS,
-                 extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)],
-                 build_directory=None if build_dir is None else str(build_dir), is_python_module=False)
+        sources = _kernel_sources()
+        key = build_key(sources)
+        build_dir = _build_directory(key)
+        with _build_lock(build_dir):
+            src = _stage_sources(build_dir, sources)
+            with _BuildProgress(build_dir, key):
+                load(_module_name(key), sources=[str(src / name) for name in _SOURCES], extra_cflags=_FLAGS,
+                     extra_ldflags=_LDFLAGS, extra_include_paths=[str(src)], build_directory=str(build_dir),
+                     is_python_module=False)
     except Exception as exc:  # a missing compiler or a failed build: the torch path still works
         logger.warning("cadence CPU kernels unavailable, using torch ops instead: %s", exc)
         return None
@@ -78,26 +109,153 @@ def runs_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in KERNEL_DTYPES and cpu_ops() is not None
 
 
-def _build_directory() -> Path | None:
-    """Where torch builds and caches the kernels (``$TORCH_EXTENSIONS_DIR/cadence_cpu_kernels`` ...),
-    or None if torch no longer says (the build then goes unwatched, announced only once slow)."""
+def _kernel_sources() -> dict[str, bytes]:
+    """Every file of ``csrc/`` the build reads (the sources and the headers they include), by name."""
+    return {path.name: path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.suffix in (".cpp", ".h")}
+
+
+def build_key(sources: Mapping[str, bytes] | None = None) -> str:
+    """The build folder's name: a hash of the kernel files' names and bytes (``csrc/``'s by default),
+    the files compiled, the compile and link flags, the torch version and the Python ABI."""
+    digest = hashlib.sha256()
+
+    def part(data: bytes) -> None:  # length-prefixed: no two lists of parts hash alike
+        digest.update(len(data).to_bytes(8, "little") + data)
+
+    part(json.dumps([_LAYOUT, _SOURCES, _FLAGS, _LDFLAGS, torch.__version__, sys.implementation.cache_tag,
+                     getattr(sys, "abiflags", "")]).encode())
+    for name, data in sorted((_kernel_sources() if sources is None else sources).items()):
+        part(name.encode())
+        part(data)
+    return digest.hexdigest()[:16]
+
+
+def _build_directory(key: str | None = None) -> Path:
+    """Where the kernels of this key (default: ``csrc/``'s) are built and cached: ``<cache>/kernels/<key>``."""
+    return cache_dir() / "kernels" / (build_key() if key is None else key)
+
+
+def _module_name(key: str) -> str:
+    """The library's name, one per key: torch renames (``_v1``) a name met again with other sources."""
+    return f"{_NAME}_{key}"
+
+
+def _stage_sources(build_dir: Path, sources: Mapping[str, bytes]) -> Path:
+    """``build_dir/src`` holding ``sources``, written where missing or different (atomically, so
+    their times change only then): the paths the build file names, the same for every checkout."""
+    src = build_dir / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for name, data in sources.items():
+        target = src / name
+        if target.is_file() and target.read_bytes() == data:
+            continue
+        partial = src / f".{name}.{os.getpid()}.tmp"
+        partial.write_bytes(data)
+        os.replace(partial, target)
+    return src
+
+
+def _lock_timeout_s() -> float:
+    """``$CADENCE_KERNEL_LOCK_TIMEOUT_S``, or 300 s."""
+    raw = os.environ.get(_LOCK_TIMEOUT_ENV, "").strip()
     try:
-        from torch.utils.cpp_extension import _get_build_directory
+        return max(0.0, float(raw)) if raw else _LOCK_TIMEOUT_S
+    except ValueError:
+        logger.warning("%s=%r is not a number of seconds; waiting at most %d s for a kernel build lock",
+                       _LOCK_TIMEOUT_ENV, raw, _LOCK_TIMEOUT_S)
+        return _LOCK_TIMEOUT_S
 
-        return Path(_get_build_directory(_NAME, False))
-    except Exception:  # a private helper of torch's: its absence must not cost the kernels
-        return None
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Holds ``build_dir/cadence.lock`` while torch builds and loads the kernels there, waiting at most
+    the bound for a process that holds it; then clears a torch ``lock`` file no process holds."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    bound = _lock_timeout_s()
+    with open(build_dir / "cadence.lock", "a+") as handle:
+        held = _acquire(handle, build_dir, bound)
+        try:
+            _clear_torch_lock(build_dir / "lock", bound, held)
+            yield
+        finally:
+            if held and fcntl is not None:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _needs_build(build_dir: Path | None) -> bool:
-    """Whether ``load`` will compile: no library yet, or one older than a source or header."""
-    if build_dir is None:
+def _acquire(handle: IO[str], build_dir: Path, bound: float) -> bool:
+    """Takes ``handle``'s advisory lock (the OS frees it when its holder dies), waiting at most
+    ``bound`` for the process holding it; False where there is none to take or it was not freed."""
+    if fcntl is None:
         return False
-    library = build_dir / f"{_NAME}.so"
+    start = time.monotonic()
+    said = False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # no advisory locks on this file system: the torch lock's age decides
+            logger.info("cannot lock %s (%s)", handle.name, exc)
+            return False
+        waited = time.monotonic() - start
+        holder = _holder(handle)
+        if waited >= bound:
+            logger.warning("process %s has been building the CPU kernels in %s for over %d s (%s=%g); "
+                           "building alongside it", holder, build_dir, bound, _LOCK_TIMEOUT_ENV, bound)
+            return False
+        if not said and waited >= _UNFORESEEN_BUILD_S:
+            said = True
+            startup.info("waiting for process %s, which is building the CPU kernels in %s (at most %d s) ...",
+                         holder, build_dir, bound)
+        time.sleep(_LOCK_POLL_S)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return True
+
+
+def _holder(handle: IO[str]) -> str:
+    """The process id the lock's holder wrote, or "?"."""
+    handle.seek(0)
+    return handle.read().strip() or "?"
+
+
+def _clear_torch_lock(lock: Path, bound: float, held: bool) -> None:
+    """Removes a torch ``lock`` file that would make ``load`` wait forever: at once while we hold
+    ``cadence.lock`` (every build here runs under it, so the file outlived a killed one), otherwise
+    once it is ``bound`` old, waiting for it to go until then."""
+    try:
+        created = lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if held:
+        why = "no process holds cadence.lock, under which every build runs, so a killed build left it"
+    else:
+        deadline = min(time.time(), created) + bound
+        if time.time() < deadline:
+            startup.info("waiting for the CPU kernel build that holds %s (at most %d s more) ...", lock,
+                         deadline - time.time())
+        while time.time() < deadline:
+            if not lock.exists():
+                return
+            time.sleep(_LOCK_POLL_S)
+        why = (f"still there {time.time() - created:.0f} s after it was made, longer than any build "
+               f"({_LOCK_TIMEOUT_ENV}={bound:g})")
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
+        logger.warning("removed the stale kernel build lock %s: %s", lock, why)
+
+
+def _needs_build(build_dir: Path, key: str) -> bool:
+    """Whether ``load`` will compile: no library yet, or one older than a staged source or header."""
+    library = build_dir / f"{_module_name(key)}.so"
     if not library.is_file():
         return True
     built = library.stat().st_mtime
-    return any(source.stat().st_mtime > built for source in _CSRC.iterdir() if source.suffix in (".cpp", ".h"))
+    return any(source.stat().st_mtime > built for source in (build_dir / "src").iterdir()
+               if source.suffix in (".cpp", ".h"))
 
 
 def build_estimate_s() -> int:
@@ -121,9 +279,9 @@ class _BuildProgress:
     ``_UNFORESEEN_BUILD_S``.
     """
 
-    def __init__(self, build_dir: Path | None) -> None:
+    def __init__(self, build_dir: Path, key: str) -> None:
         self._dir = build_dir
-        self._delay = 0.0 if _needs_build(build_dir) else _UNFORESEEN_BUILD_S
+        self._delay = 0.0 if _needs_build(build_dir, key) else _UNFORESEEN_BUILD_S
         self._done = threading.Event()
         self._announced = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="cadence-kernel-build", daemon=True)
@@ -139,8 +297,7 @@ class _BuildProgress:
         self._done.set()
         self._thread.join()
         if self._announced.is_set() and exc is None:
-            where = "" if self._dir is None else f" (cached in {self._dir})"
-            startup.info("compiled the CPU kernels in %.1f s%s", time.monotonic() - self._start, where)
+            startup.info("compiled the CPU kernels in %.1f s (cached in %s)", time.monotonic() - self._start, self._dir)
 
     def _watch(self) -> None:
         if self._done.wait(self._delay):
@@ -166,8 +323,6 @@ class _BuildProgress:
 
     def _written(self) -> int:
         """Object files and the library written since the build began (1 s slack for coarse mtimes)."""
-        if self._dir is None:
-            return 0
         try:
             return sum(1 for f in self._dir.iterdir()
                        if f.suffix in (".o", ".so") and f.stat().st_mtime >= self._wall_start - 1)

@@ -55,7 +55,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineAddresses:
-    """The two sockets the engine core binds: requests in, outputs out."""
+    """The two sockets the engine core binds: requests in, outputs out.
+
+    Their files sit in the temp folder under a fresh random name, and the binding channel creates
+    them owner-only (:mod:`cadence.runtime.zmq_channel`): another user can neither connect nor, in
+    a sticky temp folder, remove them. (A private folder would do as well, but the files' names are
+    how tools and tests find a running engine core's sockets.)
+    """
 
     input: str
     output: str

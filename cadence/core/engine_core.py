@@ -65,7 +65,8 @@ class EngineCore:
     def actors(self, outputs_to: Mailbox[Any]) -> tuple[SchedulerActor, ExecutorActor]:
         """Fresh scheduler and executor actors over these components; the scheduler actor takes
         requests and aborts, and sends each step's outputs to ``outputs_to``."""
-        core = SchedulerActor(self.scheduler, self.config.model.max_model_len, self.timing)
+        core = SchedulerActor(self.scheduler, self.config.model.max_model_len, self.timing,
+                              vocab_size=self.hf_config.vocab_size)
         executor = ExecutorActor(self.executor, core)
         core.connect(executor, outputs_to)
         return core, executor

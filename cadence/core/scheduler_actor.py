@@ -3,10 +3,17 @@
 Take new messages without blocking while work exists (block when idle, using no CPU), schedule,
 hand the step to the executor, apply its result, emit outputs. At most one message per actor pair
 per step.
+
+A request reaches the engine core from whatever is connected to its socket, not only from a front
+end that checked it: one the engine could not serve (a token id outside the vocabulary would fail
+the worker, a prompt that fits no KV cache would stop the loop) is refused here, answered at once
+with finish reason "error" and logged, and the engine serves on.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from typing import Any
 
@@ -29,6 +36,10 @@ from cadence.messages import (
 from cadence.request import Request
 from cadence.runtime.actor import UNBOUNDED, Actor, Mailbox
 
+logger = logging.getLogger(__name__)
+
+# At most this long between two output batches while work is unfinished (see _heartbeat_due).
+HEARTBEAT_S = 1.0
 # How long one wait for a compiling grammar may hold off new messages (it ends sooner when a
 # compile finishes).
 _GRAMMAR_WAIT_S = 0.02
@@ -39,16 +50,18 @@ class SchedulerActor(Actor[SchedulerInbox]):
     # scheduler -> detokenizer -> scheduler (abort) cycle.
     inbox_size = UNBOUNDED
 
-    def __init__(self, scheduler: Scheduler, max_model_len: int, timing: StepTiming) -> None:
+    def __init__(self, scheduler: Scheduler, max_model_len: int, timing: StepTiming, *, vocab_size: int) -> None:
         super().__init__()
         self.scheduler = scheduler
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.timing = timing
         self.executor: Mailbox[Any]
         self.outputs_to: Mailbox[Any]
         self._pending: list[EngineCoreOutput] = []
         # Wall time each request was first scheduled, until its first output reports its queue time.
         self._first_scheduled: dict[str, float] = {}
+        self._last_emit = time.monotonic()
 
     def connect(self, executor: Mailbox[Any], outputs_to: Mailbox[Any]) -> None:
         self.executor = executor
@@ -63,7 +76,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
                     await anyio.to_thread.run_sync(self.scheduler.wait_for_grammars, _GRAMMAR_WAIT_S)
                 elif self.scheduler.num_unfinished:
                     await self._step()
-                if self._pending:
+                if self._pending or self._heartbeat_due():
                     await self._emit()
         finally:
             self.executor.close()
@@ -85,20 +98,37 @@ class SchedulerActor(Actor[SchedulerInbox]):
 
     def _handle(self, message: SchedulerInbox) -> None:
         if isinstance(message, EngineCoreRequest):
-            self.scheduler.add_request(Request(
-                request_id=message.request_id,
-                prompt_token_ids=message.prompt_token_ids,
-                sampling_params=message.sampling_params,
-                eos_token_id=message.eos_token_id,
-                arrival_time=message.arrival_time,
-                max_model_len=self.max_model_len,
-                priority=message.priority,
-                user=message.user,
-            ))
+            self._add(message)
         elif isinstance(message, AbortRequests):
             self._pending.extend(self.scheduler.abort_requests(message.request_ids))
         else:
             raise TypeError(f"engine core got an unexpected {type(message).__name__} outside a step")
+
+    def _add(self, message: EngineCoreRequest) -> None:
+        if message.request_id in self.scheduler.requests:
+            # Not answered: an output under this id would end the live request that holds it.
+            logger.warning("dropped a request whose id %r is already in the engine", message.request_id)
+            return
+        allocator = self.scheduler.allocator
+        error = request_error(message, self.vocab_size, self.max_model_len,
+                              (allocator.num_blocks - 1) * allocator.block_size)
+        if error is None:
+            try:
+                self.scheduler.add_request(Request(
+                    request_id=message.request_id,
+                    prompt_token_ids=message.prompt_token_ids,
+                    sampling_params=message.sampling_params,
+                    eos_token_id=message.eos_token_id,
+                    arrival_time=message.arrival_time,
+                    max_model_len=self.max_model_len,
+                    priority=message.priority,
+                    user=message.user,
+                ))
+                return
+            except ValueError as exc:  # a constrained request without a structured-output manager
+                error = str(exc)
+        logger.warning("refused request %r: %s", message.request_id, error)
+        self._pending.append(EngineCoreOutput(message.request_id, [], finish_reason="error", error=error))
 
     async def _step(self) -> None:
         started = time.perf_counter()
@@ -128,7 +158,14 @@ class SchedulerActor(Actor[SchedulerInbox]):
         self._pending.extend(outputs)
         self.timing.record(len(step.num_scheduled_tokens), time.perf_counter() - started, message.forward_time_s)
 
+    def _heartbeat_due(self) -> bool:
+        """Whether to report the state without outputs: while work is unfinished, at least every
+        ``HEARTBEAT_S`` (long prefills produce no outputs for many steps). The front end's watchdog
+        takes silence while requests are pending for a step that never ends."""
+        return bool(self.scheduler.num_unfinished) and time.monotonic() - self._last_emit >= HEARTBEAT_S
+
     async def _emit(self) -> None:
+        self._last_emit = time.monotonic()
         outputs, self._pending = self._pending, []
         for output in outputs:
             if output.finish_reason is not None:
@@ -150,3 +187,28 @@ class SchedulerActor(Actor[SchedulerInbox]):
             step_time_s=self.timing.total.wall_s,
             forward_time_s=self.timing.total.forward_s,
         )
+
+
+def request_error(request: EngineCoreRequest, vocab_size: int, max_model_len: int, kv_capacity: int) -> str | None:
+    """Why the engine core cannot serve ``request`` (the front end's admission checks, again), or None.
+
+    ``kv_capacity``: the tokens the whole KV pool holds.
+    """
+    prompt, params = request.prompt_token_ids, request.sampling_params
+    if not prompt:
+        return "prompt: the prompt is empty"
+    if len(prompt) >= max_model_len:
+        return f"prompt: the prompt has {len(prompt)} tokens but max_model_len is {max_model_len}"
+    for field, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids),
+                       ("logit_bias", params.logit_bias or {}),
+                       ("eos_token_id", [] if request.eos_token_id is None else [request.eos_token_id])):
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # min/max: C loops, a long prompt stays cheap
+            outside = next(t for t in ids if not 0 <= t < vocab_size)
+            return f"{field}: token id {outside} is outside the vocabulary (size {vocab_size})"
+    needed = min(len(prompt) + (params.max_tokens or max_model_len), max_model_len)
+    if needed > kv_capacity:
+        return (f"max_tokens: the request needs up to {needed} tokens of KV cache but the whole cache holds "
+                f"{kv_capacity}")
+    if not math.isfinite(request.arrival_time):
+        return f"arrival_time must be finite, got {request.arrival_time}"
+    return None

@@ -18,6 +18,7 @@ import concurrent.futures
 import functools
 import json
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,10 @@ ConstraintKey = tuple[str, str]  # StructuredOutputsParams.key: (kind, canonical
 # Whitespace is free between JSON tokens, up to this many characters per gap: enough for
 # pretty-printed output, and small models cannot fill max_tokens with newlines (they did, unbounded).
 JSON_MAX_WHITESPACE = 16
+# How long a request waits in the engine core for its grammar (the front end's --grammar-compile-timeout
+# checks the constraint before admission; compiling against the vocabulary costs more, and a schema
+# the front end took 5 s to check took 90 s here). The compile goes on; the request fails.
+COMPILE_TIMEOUT_S = 30.0
 
 _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
          "json_object": "JSON grammar"}
@@ -113,11 +118,15 @@ class StructuredOutputManager:
     """
 
     def __init__(self, load_tokenizer: Callable[[], PreTrainedTokenizerBase], vocab_size: int,
-                 cache_size: int = 256) -> None:
-        """``vocab_size`` is the width of the model's logits (it may exceed the tokenizer's)."""
+                 cache_size: int = 256, compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        """``vocab_size`` is the width of the model's logits (it may exceed the tokenizer's). A request
+        whose grammar has not compiled ``compile_timeout_s`` after it arrived fails (the compile
+        goes on, and its grammar is cached for later requests)."""
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._cache_size = cache_size
+        self._compile_timeout_s = compile_timeout_s
+        self._deadlines: dict[str, float] = {}
         # One thread: compiles are milliseconds, and it makes the lazy compiler set-up race-free.
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._compiler: xgrammar.GrammarCompiler | None = None
@@ -149,6 +158,7 @@ class StructuredOutputManager:
         else:
             self._grammars.move_to_end(key)
         self._compiling[request_id] = future
+        self._deadlines[request_id] = time.monotonic() + self._compile_timeout_s
 
     def is_ready(self, request_id: str) -> bool:
         """Whether the request may be scheduled: unconstrained, or its matcher exists (made here
@@ -160,14 +170,22 @@ class StructuredOutputManager:
             return False
         self._matchers[request_id] = _xgrammar().GrammarMatcher(future.result())
         del self._compiling[request_id]
+        del self._deadlines[request_id]
         return True
 
     def take_failures(self) -> dict[str, str]:
-        """Requests whose grammar failed to compile, with the error; they are forgotten here."""
-        failed = {rid: f for rid, f in self._compiling.items() if f.done() and f.exception() is not None}
-        for request_id in failed:
-            del self._compiling[request_id]
-        return {rid: f"the grammar failed to compile: {f.exception()}" for rid, f in failed.items()}
+        """Requests whose grammar failed to compile, or did not compile in time, with the error;
+        they are forgotten here."""
+        now = time.monotonic()
+        failures = {}
+        for request_id, future in self._compiling.items():
+            if future.done() and future.exception() is not None:
+                failures[request_id] = f"the grammar failed to compile: {future.exception()}"
+            elif not future.done() and now >= self._deadlines[request_id]:
+                failures[request_id] = f"the grammar did not compile within {self._compile_timeout_s:g} s"
+        for request_id in failures:
+            self.remove(request_id)
+        return failures
 
     def wait(self, timeout_s: float) -> None:
         """Block until some pending compile finishes, or ``timeout_s`` passes (call from a thread)."""
@@ -177,6 +195,7 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         """Forget a finished request (its compile, if still running, stays cached for others)."""
         self._compiling.pop(request_id, None)
+        self._deadlines.pop(request_id, None)
         self._matchers.pop(request_id, None)
 
     def is_constrained(self, request_id: str) -> bool:

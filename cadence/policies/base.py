@@ -16,12 +16,14 @@ requests arrive, are scheduled, are preempted and finish. The same object drives
 and the simulator. A third-party policy is a subclass registered in the ``cadence.policies``
 entry-point group (see ``docs/policies.md``).
 
-Chunking is a property of every policy, not a policy of its own: the ``chunked`` option (default
-``false``; ``true`` for ``chunked-prefill``) splits prompts to fit the step and serves running decodes
-before prefill chunks. Without it, prefills are whole: a waiting request whose prefill does not fit
-what is left of the budget waits, and so does everything behind it (head of line). The engine's
-``enable_chunked_prefill`` flag says whether splitting a prompt is allowed at all; a whole-prefill
-policy still splits a prompt longer than the entire step budget, which could never run otherwise.
+Chunking is a property of every policy, not a policy of its own: the ``chunked`` option splits
+prompts to fit the step and serves running decodes before prefill chunks. It follows the engine's
+``enable_chunked_prefill`` flag (on by default, as in vLLM) unless given (``chunked-prefill`` is
+always chunked). Without it, prefills are whole: a waiting request whose prefill does not fit what
+is left of the budget waits, and so does everything behind it (head of line); with a small budget
+and many running decodes a prompt just under the budget can then wait until decodes finish, which
+is why it is not the default. A whole-prefill policy still splits a prompt longer than the entire
+step budget, which could never run otherwise.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ class SchedulingPolicy(abc.ABC):
     """
 
     name: ClassVar[str]
-    #: Whether prompts are split into chunks when the ``chunked`` option is not given.
-    chunked_by_default: ClassVar[bool] = False
+    #: Whether prompts are split into chunks when the ``chunked`` option is not given; None: as the
+    #: engine's ``enable_chunked_prefill`` says.
+    chunked_by_default: ClassVar[bool | None] = None
 
     def __init__(self, context: PolicyContext, options: Mapping[str, str] | None = None) -> None:
         self.context = context
@@ -65,7 +68,8 @@ class SchedulingPolicy(abc.ABC):
         if unknown:
             raise ValueError(f"policy {self.name!r} does not take option(s) {sorted(unknown)}; "
                              f"it accepts {sorted(self.accepted_options()) or 'none'}")
-        self.chunked = self.bool_option("chunked", self.chunked_by_default)
+        default = context.enable_chunked_prefill if self.chunked_by_default is None else self.chunked_by_default
+        self.chunked = self.bool_option("chunked", default)
         if self.chunked and not context.enable_chunked_prefill:
             raise ValueError(f"policy {self.name!r} with chunked=true splits prompts, which the engine was "
                              "told not to do (--no-enable-chunked-prefill); drop one of the two")

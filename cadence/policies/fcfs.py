@@ -1,4 +1,4 @@
-"""First come, first served: admit in arrival order; whole prefills unless ``chunked=true``."""
+"""First come, first served: admit in arrival order; chunked prefill as the engine says (``chunked``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from cadence.request import RequestView
 
 
 class FCFSPolicy(SchedulingPolicy):
-    """Arrival order; a prefill that does not fit the step's remaining budget waits, and so does
-    everything behind it (head of line)."""
+    """Arrival order. With whole prefills (``chunked=false``), a prefill that does not fit the step's
+    remaining budget waits, and so does everything behind it (head of line)."""
 
     name = "fcfs"
 

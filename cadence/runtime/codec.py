@@ -50,8 +50,8 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         raise ValueError(f"unknown msgpack extension type {code}")
     try:
         return _decode_array(data)
-    except TypeError as exc:  # a dtype numpy or torch does not know: a bad frame, refused like any other
-        raise ValueError(f"malformed array in msgpack extension: {exc}") from None
+    except Exception as exc:  # a dtype numpy or torch does not know (TypeError), a bad header...: a bad frame
+        raise ValueError(f"malformed array in msgpack extension: {type(exc).__name__}: {exc}") from None
 
 
 def _decode_array(data: memoryview) -> Any:
@@ -78,5 +78,5 @@ class Codec(Generic[T]):
         return self._encoder.encode(message)
 
     def decode(self, frame: bytes | memoryview) -> T:
-        """:raises msgspec.DecodeError: for a frame that is not a valid message of this channel."""
+        """:raises msgspec.DecodeError, ValueError: for a frame that is not a valid message of this channel."""
         return self._decoder.decode(frame)

@@ -1,16 +1,17 @@
 """Channels over pyzmq sockets: PUSH to send, PULL to receive, one codec per direction.
 
-A frame that does not decode into the channel's message type is logged and dropped: a stray or
-malicious sender can never take the engine down.
+A frame that does not decode into the channel's message type, for whatever reason, is logged and
+dropped: a stray or malicious sender can never take the engine down. An ipc socket that a channel
+binds is owner-only (mode 0600, created so), so only its own user can connect to it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Generic, TypeVar
 
 import anyio
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -26,7 +27,7 @@ class ZmqSendChannel(Generic[T]):
         self._codec: Codec[T] = Codec(message_type)
         self._socket = context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(address) if bind else self._socket.connect(address)
+        _bind_private(self._socket, address) if bind else self._socket.connect(address)
 
     async def send(self, message: T) -> None:
         await self._socket.send(self._codec.encode(message), copy=False)
@@ -40,7 +41,7 @@ class ZmqReceiveChannel(Generic[T]):
         self._codec: Codec[T] = Codec(message_type)
         self._socket = context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(address) if bind else self._socket.connect(address)
+        _bind_private(self._socket, address) if bind else self._socket.connect(address)
         self.dropped_frames = 0
 
     async def receive(self) -> T:
@@ -53,9 +54,28 @@ class ZmqReceiveChannel(Generic[T]):
                 raise
             try:
                 return self._codec.decode(frame.buffer)
-            except (msgspec.DecodeError, ValueError) as exc:
+            except Exception as exc:  # any decode failure (msgspec, an ext hook, __post_init__): the frame's fault
                 self.dropped_frames += 1
-                logger.warning("dropped a malformed frame of %d bytes: %s", len(frame.buffer), exc)
+                logger.warning("dropped a malformed frame of %d bytes: %s: %s", len(frame.buffer),
+                               type(exc).__name__, exc)
 
     def close(self) -> None:
         self._socket.close(linger=0)
+
+
+def _bind_private(socket: zmq.Socket[Any], address: str) -> None:
+    """Bind ``socket``; an ipc socket's file is created owner-only.
+
+    The umask makes the file 0600 from the start, so no other user can connect between the bind
+    and the chmod (which keeps it so whatever the umask did); it is the process's umask, restored
+    at once, and at worst makes another thread's file created meanwhile owner-only too.
+    """
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):  # tcp, or Linux's abstract namespace
+        socket.bind(address)
+        return
+    umask = os.umask(0o177)
+    try:
+        socket.bind(address)
+    finally:
+        os.umask(umask)
+    os.chmod(socket.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("ipc://"), 0o600)

@@ -105,6 +105,7 @@ def test_overload_is_503(server: ServerProcess, spec: OpenAISpec) -> None:
             assert response.status_code == 503
             spec.validate(response.json(), "ErrorResponse")
             assert response.json()["error"]["code"] == "engine_overloaded"
+            assert response.headers["Retry-After"] == "1"
             for s in streams:
                 s.task.cancel()
         await wait_until_idle(server.url)

@@ -5,6 +5,7 @@ messages as token ids, on the tiny random tokenizer (its chat template is ChatML
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from functools import partial
@@ -15,17 +16,18 @@ import pytest
 from conftest import build_tiny_tokenizer
 from tokenizers import processors
 
+from cadence.api.constraints import ConstraintChecks
 from cadence.api.errors import APIError
 from cadence.api.params import (
     chat_prompt,
     check_stream_options,
     completion_prompts,
-    decode_request,
     max_tokens_for,
     sampling_params,
     structured_outputs,
 )
 from cadence.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
+from cadence.api.request_body import decode_request
 from cadence.engine.admission import ModelLimits
 from cadence.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -53,6 +55,10 @@ def completion(**fields: Any) -> CompletionRequest:
 
 def chat(**fields: Any) -> ChatCompletionRequest:
     return decode_request(json.dumps({"messages": USER_HI, **fields}).encode(), ChatCompletionRequest)
+
+
+def compact(schema: Any) -> str:
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def fields_of(params: SamplingParams) -> dict[str, Any]:
@@ -219,7 +225,7 @@ FIELDS: list[tuple[dict[str, Any], dict[str, Any]]] = [
     ({"response_format": {"type": "json_object"}},
      {"structured_outputs": StructuredOutputsParams(json_object=True)}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}},
-     {"structured_outputs": StructuredOutputsParams(json=PERSON)}),
+     {"structured_outputs": StructuredOutputsParams(json=compact(PERSON))}),
     ({"structured_outputs": {"regex": "[a-z]+"}}, {"structured_outputs": StructuredOutputsParams(regex="[a-z]+")}),
     # fields the engine does not take: accepted, and nothing changes
     ({"user": "u", "priority": 3, "stream": False, "model": "m"}, {}),
@@ -229,7 +235,9 @@ FIELDS: list[tuple[dict[str, Any], dict[str, Any]]] = [
 @pytest.mark.parametrize(("body", "expected"), FIELDS, ids=[json.dumps(body) for body, _ in FIELDS])
 def test_each_field_sets_its_sampling_param_and_only_it(body: dict[str, Any], expected: dict[str, Any]) -> None:
     for req in (completion(**body), chat(**body)):
-        assert fields_of(sampling_params(req, max_tokens=16, logprobs=None)) == {**DEFAULTS, **expected}
+        constraint = structured_outputs(req)
+        params = sampling_params(req, max_tokens=16, logprobs=None, constraint=constraint[0] if constraint else None)
+        assert fields_of(params) == {**DEFAULTS, **expected}
 
 
 def test_max_tokens_and_logprobs_are_the_callers() -> None:
@@ -250,8 +258,10 @@ def test_every_field_at_once() -> None:
                 "max_tokens": 20, "min_tokens": 1, "stop": ["\n\n", "END"], "stop_token_ids": [0, 2],
                 "ignore_eos": True, "include_stop_str_in_output": True, "skip_special_tokens": False, "logprobs": 3,
                 "structured_outputs": StructuredOutputsParams(choice=["yes", "no"])}
-    assert fields_of(sampling_params(completion(**body), max_tokens=20, logprobs=3)) == expected
-    assert fields_of(sampling_params(chat(**body), max_tokens=20, logprobs=3)) == expected
+    for req in (completion(**body), chat(**body)):
+        constraint = structured_outputs(req)
+        assert constraint is not None
+        assert fields_of(sampling_params(req, max_tokens=20, logprobs=3, constraint=constraint[0])) == expected
 
 
 @pytest.mark.parametrize(("body", "max_tokens", "param", "message"), [
@@ -260,7 +270,6 @@ def test_every_field_at_once() -> None:
     ({"repetition_penalty": 0}, 16, "repetition_penalty", "repetition_penalty must be > 0, got 0.0"),
     ({"stop": ""}, 16, "stop", "stop strings must not be empty"),
     ({"stop": ["a", ""]}, 16, "stop", "stop strings must not be empty"),
-    ({"stop_token_ids": [-1]}, 16, "stop_token_ids", "stop_token_ids must be non-negative token ids"),
     ({"logit_bias": {"1": 100.5}}, 16, "logit_bias", "logit_bias values must be in [-100, 100]"),
     ({"min_tokens": 17}, 16, "min_tokens", "min_tokens (17) must not exceed max_tokens (16)"),
     ({}, 0, "max_tokens", "max_tokens must be at least 1, got 0"),
@@ -274,24 +283,41 @@ def test_a_value_sampling_params_rejects_is_a_400_naming_the_field(body: dict[st
 # ---- structured_outputs ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("body", "expected"), [
-    ({}, None),
-    ({"response_format": {"type": "text"}}, None),
-    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+@pytest.mark.parametrize(("body", "expected", "param"), [
+    ({}, None, None),
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True), "response_format"),
+    # A schema becomes its compact text: what the engine core gets is a string, whatever numbers it holds.
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
-     StructuredOutputsParams(json=PERSON)),
-    ({"structured_outputs": {"json": PERSON}}, StructuredOutputsParams(json=PERSON)),
-    ({"structured_outputs": {"json": json.dumps(PERSON)}}, StructuredOutputsParams(json=json.dumps(PERSON))),
-    ({"structured_outputs": {"regex": r"\d{3}"}}, StructuredOutputsParams(regex=r"\d{3}")),
-    ({"structured_outputs": {"choice": ["red", "blue"]}}, StructuredOutputsParams(choice=["red", "blue"])),
-    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, StructuredOutputsParams(grammar='root ::= "a" | "b"')),
-    ({"structured_outputs": {"json_object": True}}, StructuredOutputsParams(json_object=True)),
+     StructuredOutputsParams(json=compact(PERSON)), "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": PERSON}}, StructuredOutputsParams(json=compact(PERSON)),
+     "structured_outputs.json"),
+    ({"structured_outputs": {"json": json.dumps(PERSON, indent=2)}}, StructuredOutputsParams(json=compact(PERSON)),
+     "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"maxLength": 2**80}}},
+     StructuredOutputsParams(json='{"maxLength":' + str(2**80) + "}"), "structured_outputs.json"),
+    ({"structured_outputs": {"regex": r"\d{3}"}}, StructuredOutputsParams(regex=r"\d{3}"), "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["red", "blue"]}}, StructuredOutputsParams(choice=["red", "blue"]),
+     "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, StructuredOutputsParams(grammar='root ::= "a" | "b"'),
+     "structured_outputs.grammar"),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutputsParams(json_object=True),
+     "structured_outputs.json_object"),
     # a text response_format is no constraint, so structured_outputs may come with it
-    ({"response_format": {"type": "text"}, "structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
+    ({"response_format": {"type": "text"}, "structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+"),
+     "structured_outputs.regex"),
 ])
-def test_the_constraint_comes_from_either_field(body: dict[str, Any], expected: StructuredOutputsParams | None) -> None:
-    assert structured_outputs(completion(**body)) == expected
-    assert structured_outputs(chat(**body)) == expected
+def test_the_constraint_comes_from_either_field(body: dict[str, Any], expected: StructuredOutputsParams | None,
+                                                param: str | None) -> None:
+    for req in (completion(**body), chat(**body)):
+        assert structured_outputs(req) == (None if expected is None else (expected, param))
+
+
+def checked(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """The request's constraint checked as the handlers check it."""
+    constraint = structured_outputs(req)
+    assert constraint is not None
+    asyncio.run(ConstraintChecks(timeout_s=30).check(*constraint))
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
@@ -304,6 +330,14 @@ def test_the_constraint_comes_from_either_field(body: dict[str, Any], expected: 
      "response_format of type json_schema needs json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}}, "response_format.json_schema.schema",
      "response_format of type json_schema needs json_schema.schema"),
+])
+def test_a_constraint_in_the_wrong_place_is_a_400_naming_the_field(body: dict[str, Any], param: str,
+                                                                   message: str) -> None:
+    for req in (completion(**body), chat(**body)):
+        assert_400(error_of(partial(structured_outputs, req)), param, message)
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
      "response_format.json_schema.schema",
      "response_format.json_schema.schema: invalid JSON schema: 5 is not valid under any of the given schemas "
@@ -316,9 +350,7 @@ def test_the_constraint_comes_from_either_field(body: dict[str, Any], expected: 
 ])
 def test_a_bad_constraint_is_a_400_naming_the_field(body: dict[str, Any], param: str, message: str) -> None:
     for req in (completion(**body), chat(**body)):
-        assert_400(error_of(partial(structured_outputs, req)), param, message)
-        # sampling_params checks it the same way
-        assert_400(error_of(partial(sampling_params, req, max_tokens=16, logprobs=None)), param, message)
+        assert_400(error_of(partial(checked, req)), param, message)
 
 
 @pytest.mark.parametrize(("body", "param", "prefix"), [
@@ -329,7 +361,7 @@ def test_a_bad_constraint_is_a_400_naming_the_field(body: dict[str, Any], param:
 def test_a_constraint_that_does_not_compile_is_a_400_naming_the_field(body: dict[str, Any], param: str,
                                                                       prefix: str) -> None:
     # The rest of the message is xgrammar's own.
-    error = error_of(lambda: structured_outputs(completion(**body)))
+    error = error_of(lambda: checked(completion(**body)))
     assert (error.status, error.param, error.code) == (400, param, None)
     assert error.message.startswith(prefix) and len(error.message) > len(prefix)
 
@@ -447,7 +479,7 @@ def test_token_id_prompts_are_taken_as_they_are(tokenizer: Any) -> None:
 def test_token_ids_outside_the_vocabulary_are_left_to_admission(tokenizer: Any) -> None:
     assert len(tokenizer) == 320
     assert completion_prompts(completion(prompt=[5, 320], echo=True), tokenizer) == [([5, 320], "")]
-    assert completion_prompts(completion(prompt=[[-1], [5]], echo=True), tokenizer) == [([-1], ""), ([5], "#")]
+    assert completion_prompts(completion(prompt=[[999], [5]], echo=True), tokenizer) == [([999], ""), ([5], "#")]
 
 
 def test_prompts_with_no_tokens_are_left_to_admission(tokenizer: Any) -> None:
@@ -501,12 +533,11 @@ def test_every_role_and_developer_as_system(tokenizer: Any) -> None:
 def test_text_parts_are_joined_by_newlines_and_no_content_is_empty(tokenizer: Any) -> None:
     messages = chat(messages=[
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b c"}]},
-        {"role": "assistant", "content": None}, {"role": "user", "content": ""}, {"role": "user", "content": []},
-        {"role": "user"},
+        {"role": "assistant", "content": None}, {"role": "user", "content": ""}, {"role": "user"},
     ]).messages
     assert rendered(tokenizer, chat_prompt(messages, tokenizer)) == (
         "<|im_start|>user\na\nb c<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\n<|im_end|>\n"
-        "<|im_start|>user\n<|im_end|>\n<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_the_template_sees_exactly_role_content_and_name() -> None:

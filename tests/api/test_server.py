@@ -81,7 +81,8 @@ def test_default_model_name(model: str | None, name: str) -> None:
 def test_serve_options_defaults_and_immutability() -> None:
     options = server.ServeOptions()
     assert dataclasses.asdict(options) == {"host": "127.0.0.1", "port": 8000, "shutdown_timeout_s": 10.0,
-                                           "stay_up_on_engine_death": False, "log_level": "WARNING"}
+                                           "stay_up_on_engine_death": False, "log_level": "WARNING",
+                                           "engine_stall_timeout_s": 120.0}
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.port = 1  # type: ignore[misc]
 
@@ -149,3 +150,36 @@ def test_run_server_keeps_given_names_key_and_limit(recorded: Recorded) -> None:
     assert settings.model_name == "a"
     assert options == server.ServeOptions()
     assert recorded.engine_args[0].model is None and recorded.engine_args[0].usage_context == "serving"
+
+
+def test_the_request_limits_are_flags_with_their_defaults(recorded: Recorded) -> None:
+    ns = serve_parser().parse_args(["serve"])
+    assert (ns.max_request_body_bytes, ns.request_read_timeout, ns.preprocess_timeout, ns.grammar_compile_timeout) == (
+        4 * 2**20, 10.0, 10.0, 5.0)
+    defaults = ServerSettings(served_model_names=("m",))  # the parser's defaults and ServerSettings' agree
+    assert (defaults.max_request_body_bytes, defaults.request_read_timeout_s, defaults.preprocess_timeout_s,
+            defaults.grammar_compile_timeout_s) == (4 * 2**20, 10.0, 10.0, 5.0)
+    ns = build_parser().parse_args(["serve", "--max-request-body-bytes", "1000", "--request-read-timeout", "2.5",
+                                    "--preprocess-timeout", "3", "--grammar-compile-timeout", "0.5"])
+    assert server.run_server(ns) == 0
+    [(_, settings, _)] = recorded.served
+    assert (settings.max_request_body_bytes, settings.request_read_timeout_s, settings.preprocess_timeout_s,
+            settings.grammar_compile_timeout_s) == (1000, 2.5, 3.0, 0.5)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--max-request-body-bytes", "0"), ("--request-read-timeout", "-1"),
+                                             ("--preprocess-timeout", "0"), ("--grammar-compile-timeout", "nan")])
+def test_a_limit_must_be_positive(recorded: Recorded, flag: str, value: str) -> None:
+    ns = build_parser().parse_args(["serve", flag, value])
+    with pytest.raises(ValueError, match=f"^{flag} must be > 0, got "):
+        server.run_server(ns)
+    assert recorded.served == []
+
+
+def test_the_engine_stall_timeout_reaches_the_engine_and_0_turns_the_watchdog_off(recorded: Recorded) -> None:
+    assert server.run_server(build_parser().parse_args(["serve", "--engine-stall-timeout", "30"])) == 0
+    assert server.run_server(build_parser().parse_args(["serve", "--engine-stall-timeout", "0"])) == 0
+    assert [options.engine_stall_timeout_s for _, _, options in recorded.served] == [30.0, None]
+    for bad in ("-1.0", "nan", "inf"):
+        with pytest.raises(ValueError, match=f"^--engine-stall-timeout must be >= 0 \\(0: never\\), got {bad}$"):
+            server.run_server(build_parser().parse_args(["serve", "--engine-stall-timeout", bad]))

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 import pytest
+import zmq.asyncio
 
 from cadence.core.core_process import EngineAddresses
+from cadence.messages import EngineCoreEvent, EngineCoreInput
+from cadence.runtime.zmq_channel import ZmqReceiveChannel, ZmqSendChannel
 
 
 @pytest.fixture
@@ -61,3 +65,21 @@ def test_addresses_are_frozen() -> None:
     with pytest.raises(AttributeError):
         addresses.input = "ipc:///tmp/y"  # type: ignore[misc]
     assert addresses == EngineAddresses("ipc:///tmp/x-in", "ipc:///tmp/x-out")
+
+
+def test_bound_sockets_are_owner_only(temp_dir: Path) -> None:
+    """As the engine core binds them; remove_files then leaves nothing behind."""
+    addresses = EngineAddresses.fresh()
+    context = zmq.asyncio.Context()
+    umask = os.umask(0o002)  # a group-writable default, which would let the group connect
+    try:
+        inputs = ZmqReceiveChannel[object](context, addresses.input, EngineCoreInput, bind=True)
+        outputs = ZmqSendChannel[object](context, addresses.output, EngineCoreEvent, bind=True)
+    finally:
+        os.umask(umask)
+    assert [stat.S_IMODE(path_of(a).stat().st_mode) for a in (addresses.input, addresses.output)] == [0o600] * 2
+    inputs.close()
+    outputs.close()
+    context.term()
+    addresses.remove_files()
+    assert list(temp_dir.iterdir()) == []

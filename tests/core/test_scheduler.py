@@ -46,6 +46,10 @@ def toks(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
+# Whole prefills: the default follows the engine's chunked-prefill flag, which is on.
+WHOLE = {"chunked": "false"}
+
+
 def make_scheduler(policy: str | type[SchedulingPolicy] = "fcfs", *, budget: int = 64, seats: int = 8,
                    num_blocks: int = 33, options: dict[str, str] | None = None, engine_chunked: bool = True,
                    threshold: int = 0, caching: bool = True) -> Scheduler:
@@ -164,7 +168,7 @@ def test_chunked_prefill_serves_running_decodes_before_an_earlier_admitted_prefi
 
 
 def test_whole_prefill_that_does_not_fit_waits_and_blocks_those_behind_it() -> None:
-    scheduler = make_scheduler("fcfs", budget=10)
+    scheduler = make_scheduler("fcfs", budget=10, options=WHOLE)
     scheduler.add_request(request("a", toks(100, 8), max_tokens=3))
     scheduler.add_request(request("b", toks(200, 5)))
     scheduler.add_request(request("c", toks(300, 1)))  # would fit the 2 left, but b is ahead
@@ -177,8 +181,30 @@ def test_whole_prefill_that_does_not_fit_waits_and_blocks_those_behind_it() -> N
     assert scheduler.allocator.num_free_blocks == 32 - 3 - 2 - 1
 
 
+def flood(options: dict[str, str] | None, num_steps: int = 40) -> list[int]:
+    """Running requests after each step, with 200 prompts of 508 tokens waiting under serve's
+    512-token budget and room for all of them in the KV cache."""
+    scheduler = make_scheduler("fcfs", budget=512, seats=128, num_blocks=1 + 200 * 128, options=options)
+    for i in range(200):
+        scheduler.add_request(request(f"r{i}", toks(1_000 * i, 508), max_tokens=1_000, max_model_len=2_048))
+    running = []
+    for _ in range(num_steps):
+        step(scheduler)
+        running.append(len(scheduler.running))
+    return running
+
+
+def test_a_flood_of_long_prompts_keeps_being_admitted_by_default() -> None:
+    """The default (chunked prefill, as the engine's flag says) admits a new prompt every step while
+    decodes run; whole prefills stop at 5 running: 508 + 5 decodes no longer fit 512, and the whole
+    queue waits behind its head until a decode finishes (a server held at 4 running this way)."""
+    # A step whose budget a prefill's last chunk used up exactly admits nobody new (9, 37).
+    assert flood(None) == [*range(2, 10), *range(9, 38), 37, 38, 39]
+    assert flood(WHOLE) == [1, 2, 3, 4, 5] + [5] * 35
+
+
 def test_whole_prefill_splits_only_a_prompt_longer_than_the_entire_budget() -> None:
-    scheduler = make_scheduler("fcfs", budget=10)
+    scheduler = make_scheduler("fcfs", budget=10, options=WHOLE)
     scheduler.add_request(request("d", toks(100, 25), max_tokens=2))
     scheduler.add_request(request("e", toks(200, 3), max_tokens=2))
     steps = run_to_end(scheduler)
@@ -238,7 +264,7 @@ def test_blocks_follow_the_computed_tokens_and_come_back_on_finish() -> None:
 
 
 def test_abort_of_waiting_and_running_requests() -> None:
-    scheduler = make_scheduler("fcfs", budget=8)
+    scheduler = make_scheduler("fcfs", budget=8, options=WHOLE)
     scheduler.add_request(request("a", toks(100, 6)))
     scheduler.add_request(request("b", toks(200, 6)))  # does not fit the 2 left: waits
     assert step(scheduler).scheduled == [("a", 6)]
@@ -341,7 +367,7 @@ def test_a_step_that_preempted_for_a_running_request_admits_nobody_new() -> None
 
 
 def test_priority_preempts_a_lower_priority_running_request_for_a_higher_waiting_one() -> None:
-    scheduler = make_scheduler("priority", seats=1)
+    scheduler = make_scheduler("priority", seats=1, options=WHOLE)
     assert isinstance(scheduler.policy, PriorityPolicy) and not scheduler.policy.chunked
     scheduler.add_request(request("low", toks(100, 4), max_tokens=8, priority=5))
     assert step(scheduler).scheduled == [("low", 4)]
@@ -399,7 +425,7 @@ class SpyPolicy(FCFSPolicy):
 
 @pytest.mark.parametrize("caching", [True, False])
 def test_a_prefix_hit_reaches_the_policy_and_only_the_remainder_is_scheduled(caching: bool) -> None:
-    scheduler = make_scheduler(SpyPolicy, budget=12, caching=caching)
+    scheduler = make_scheduler(SpyPolicy, budget=12, caching=caching, options=WHOLE)
     policy = scheduler.policy
     assert isinstance(policy, SpyPolicy)
     scheduler.add_request(request("a", toks(1, 10), max_tokens=4))

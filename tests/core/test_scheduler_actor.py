@@ -7,6 +7,7 @@ tokens reached its end; it can also slip other messages in before or after its r
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,20 +33,21 @@ from cadence.messages import (
 )
 from cadence.policies.base import PolicyContext
 from cadence.policies.loader import load_policy
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import SamplingParams, StructuredOutputsParams
 
 BS = 4
 NUM_BLOCKS = 33
+VOCAB = 100
 TOKEN = 7
 FORWARD_S = 0.001
 TIMEOUT_S = 10
 
 
-def make_actor(*, budget: int = 64, engine_chunked: bool = True) -> SchedulerActor:
+def make_actor(*, budget: int = 64, engine_chunked: bool = True, num_blocks: int = NUM_BLOCKS) -> SchedulerActor:
     config = SchedulerConfig(max_num_batched_tokens=budget, enable_chunked_prefill=engine_chunked)
     policy = load_policy("fcfs", PolicyContext(budget, config.max_num_seqs, engine_chunked, 0))
-    scheduler = Scheduler(config, KVAllocator(NUM_BLOCKS, BS), policy)
-    return SchedulerActor(scheduler, max_model_len=64, timing=StepTiming())
+    scheduler = Scheduler(config, KVAllocator(num_blocks, BS), policy)
+    return SchedulerActor(scheduler, max_model_len=64, timing=StepTiming(), vocab_size=VOCAB)
 
 
 def new_request(request_id: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
@@ -273,3 +275,82 @@ def test_aborts_taken_as_the_inbox_closes_still_report_their_requests() -> None:
     assert fake.steps == []
     assert outputs.tokens() == [[("a", [], "abort")]]
     assert actor.scheduler.requests == {} and fake.closed
+
+
+# ---- requests the engine core refuses -------------------------------------------------------
+
+
+def _request(request_id: str = "bad", prompt: list[int] | None = None, eos: int | None = 0, arrival: float = 0.0,
+             **params: Any) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, [1, 2, 3] if prompt is None else prompt, SamplingParams(**params),
+                             eos_token_id=eos, arrival_time=arrival)
+
+
+REFUSED = {
+    "empty-prompt": (_request(prompt=[]), "prompt: the prompt is empty"),
+    "prompt-of-max-model-len": (_request(prompt=[1] * 64), "prompt: the prompt has 64 tokens but max_model_len is 64"),
+    "huge-prompt-id": (_request(prompt=[1, 10**9, 2]),
+                       "prompt: token id 1000000000 is outside the vocabulary (size 100)"),
+    "negative-prompt-id": (_request(prompt=[1, -1]), "prompt: token id -1 is outside the vocabulary (size 100)"),
+    "prompt-id-of-vocab-size": (_request(prompt=[VOCAB]), "prompt: token id 100 is outside the vocabulary (size 100)"),
+    "stop-token-id": (_request(stop_token_ids=[5, VOCAB]),
+                      "stop_token_ids: token id 100 is outside the vocabulary (size 100)"),
+    "logit-bias-key": (_request(logit_bias={3: 1.0, 10**9: 5.0}),
+                       "logit_bias: token id 1000000000 is outside the vocabulary (size 100)"),
+    "negative-logit-bias-key": (_request(logit_bias={-1: 5.0}),
+                                "logit_bias: token id -1 is outside the vocabulary (size 100)"),
+    "eos-token-id": (_request(eos=VOCAB), "eos_token_id: token id 100 is outside the vocabulary (size 100)"),
+    "arrival-time": (_request(arrival=float("nan")), "arrival_time must be finite, got nan"),
+    # No grammar manager in these tests' scheduler: its ValueError is the request's error.
+    "constraint": (_request(structured_outputs=StructuredOutputsParams(regex="a+")),
+                   "this scheduler has no structured-output manager for a constrained request"),
+}
+
+
+@pytest.mark.parametrize(("bad", "error"), REFUSED.values(), ids=REFUSED.keys())
+def test_a_request_the_engine_cannot_serve_is_answered_with_an_error_and_the_loop_serves_on(
+        bad: EngineCoreRequest, error: str, caplog: pytest.LogCaptureFixture) -> None:
+    actor = make_actor()
+    fake, outputs = connect(actor, {"bad", "good"})
+    caplog.set_level(logging.WARNING, logger="cadence.core.scheduler_actor")
+    actor.send_nowait(bad)
+    actor.send_nowait(new_request("good", [1, 2, 3], max_tokens=2))
+    run(actor)
+
+    assert outputs.tokens() == [[("bad", [], "error"), ("good", [TOKEN], None)], [("good", [TOKEN], "length")]]
+    assert outputs.batches[0].outputs[0].error == error
+    assert [s.num_scheduled_tokens for s in fake.steps] == [{"good": 3}, {"good": 1}]
+    assert [r.getMessage() for r in caplog.records] == [f"refused request 'bad': {error}"]
+    assert actor.scheduler.requests == {}
+
+
+def test_a_request_needing_more_kv_cache_than_the_pool_holds_is_refused_during_a_step() -> None:
+    actor = make_actor(num_blocks=9)  # 8 usable blocks of 4: 32 tokens
+    # "big" comes in while the first step runs; its answer goes out with that step's outputs.
+    fake, outputs = connect(actor, {"big", "fits", "good"},
+                            before={1: [new_request("big", [1] * 10, max_tokens=23)]})
+    actor.send_nowait(new_request("good", [1, 2, 3], max_tokens=2))
+    actor.send_nowait(new_request("fits", [1] * 10, max_tokens=22))  # 32 tokens: the whole pool
+    run(actor)
+
+    big = [o for b in outputs.batches for o in b.outputs if o.request_id == "big"]
+    assert [(o.finish_reason, o.error) for o in big] == [
+        ("error", "max_tokens: the request needs up to 33 tokens of KV cache but the whole cache holds 32")]
+    assert big[0] in outputs.batches[0].outputs
+    assert all("big" not in s.num_scheduled_tokens for s in fake.steps)
+    finished = {o.request_id: o.finish_reason for b in outputs.batches for o in b.outputs if o.finish_reason}
+    assert finished == {"big": "error", "good": "length", "fits": "length"}
+
+
+def test_a_request_whose_id_is_in_the_engine_is_dropped_unanswered(caplog: pytest.LogCaptureFixture) -> None:
+    # An answer under that id would finish the live request in the front end.
+    actor = make_actor()
+    fake, outputs = connect(actor, {"a"}, before={1: [new_request("a", [9, 9, 9, 9, 9], max_tokens=7)]})
+    caplog.set_level(logging.WARNING, logger="cadence.core.scheduler_actor")
+    actor.send_nowait(new_request("a", [1, 2, 3], max_tokens=2))
+    actor.send_nowait(new_request("a", [4, 5], max_tokens=2))
+    run(actor)
+
+    assert outputs.tokens() == [[("a", [TOKEN], None)], [("a", [TOKEN], "length")]]
+    assert [s.num_scheduled_tokens for s in fake.steps] == [{"a": 3}, {"a": 1}]
+    assert [r.getMessage() for r in caplog.records] == ["dropped a request whose id 'a' is already in the engine"] * 2

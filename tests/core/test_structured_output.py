@@ -245,3 +245,22 @@ def test_a_request_waits_for_its_grammar_while_others_run(tiny: Path, llm: LLM,
     assert waiting == [None, None]
     assert results[0] == results[1] and re.fullmatch(r'\s*\{\s*"ok"\s*:\s*(true|false)\s*\}\s*', results[0])
     assert len(compiled) == 1  # equal constraints compiled once
+
+
+def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_stays_cached(tiny: Path) -> None:
+    gate = threading.Event()
+
+    def gated_loader() -> Any:  # the first compile loads the tokenizer: hold it there
+        assert gate.wait(30), "the test never opened the gate"
+        return load_tokenizer(str(tiny))
+
+    slow = StructuredOutputManager(gated_loader, 320, compile_timeout_s=0.0)
+    constraint = StructuredOutputsParams(regex=WORDS)
+    slow.add_request("late", constraint)
+    assert not slow.is_ready("late")
+    assert slow.take_failures() == {"late": "the grammar did not compile within 0 s"}
+    assert slow.num_compiling == 0
+    gate.set()  # the compile goes on, and its grammar serves the next request with the constraint
+    slow.add_request("next", constraint)
+    slow.wait(30)  # the one compile, started for "late", finishes
+    assert slow.is_ready("next") and slow.num_active == 1 and slow.num_compiling == 0

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 import zmq
 
@@ -16,6 +20,8 @@ from cadence.engine.async_engine import AsyncEngine
 from cadence.engine.llm import LLM
 from cadence.engine_args import EngineArgs
 from cadence.errors import EngineDeadError
+from cadence.messages import EngineCoreEvent, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from cadence.runtime.codec import Codec
 
 pytestmark = pytest.mark.anyio
 
@@ -90,6 +96,56 @@ async def test_random_frames_are_dropped_and_the_engine_keeps_serving(tiny_confi
         context.term()
         tokens, _ = await collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
         assert len(tokens) == 5 and engine.is_healthy
+
+
+def _unknown_dtype_request() -> bytes:
+    """A request whose JSON schema holds an array extension naming a dtype nobody knows."""
+    header = msgspec.msgpack.encode(["numpy", "nonsense", [1]])
+    array = msgspec.msgpack.Ext(1, len(header).to_bytes(4, "little") + header + b"\x00")
+    params = {"structured_outputs": {"json": {"a": array}}}
+    return msgspec.msgpack.encode(["EngineCoreRequest", "rogue-dtype", [5], params, None, 0.0])
+
+
+async def test_the_issues_frames_and_broken_outputs_are_dropped_and_the_engine_keeps_serving(
+        tiny_config: object, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Straight to the engine core's input socket: a frame with an unknown dtype, and a well-formed
+    request with token id 10**9 (both once killed the engine core). To the API side's receive
+    socket: random bytes and truncated output batches."""
+    async with AsyncEngine.launch(tiny_config) as engine:  # type: ignore[arg-type]
+        client = engine.cores[0].client
+        sockets = [Path(a.removeprefix("ipc://")) for a in (client.addresses.input, client.addresses.output)]
+        assert [stat.S_IMODE(path.stat().st_mode) for path in sockets] == [0o600, 0o600]
+        context = zmq.Context()
+        rogue_in = context.socket(zmq.PUSH)
+        rogue_in.connect(client.addresses.input)
+        huge_id = EngineCoreRequest("rogue-id", [5, 10**9, 6], SamplingParams(max_tokens=2), eos_token_id=0,
+                                    arrival_time=time.time())
+        rogue_in.send(_unknown_dtype_request())
+        rogue_in.send(Codec(EngineCoreInput).encode(huge_id))
+        # The API side's receive socket connects to a second sender: a rogue one.
+        rogue_out = context.socket(zmq.PUSH)
+        rogue_out.bind(f"ipc://{tmp_path}/rogue")
+        client.outputs._socket.connect(f"ipc://{tmp_path}/rogue")
+        batch = Codec(EngineCoreEvent).encode(EngineCoreOutputs([EngineCoreOutput("nobody", [1, 2])], 0.0))
+        broken = [random.Random(0).randbytes(64), b"", *(batch[:n] for n in (1, len(batch) // 2, len(batch) - 1))]
+        for frame in broken:
+            rogue_out.send(frame)
+        with anyio.fail_after(60):  # a hang guard only
+            while client.outputs.dropped_frames < len(broken):
+                await anyio.sleep(0.02)
+            log = ""  # the engine core's (its stderr is the test's)
+            dropped = "engine-core-0 cadence.runtime.zmq_channel: dropped a malformed frame"
+            while "refused request 'rogue-id'" not in log or dropped not in log:
+                await anyio.sleep(0.05)
+                log += capfd.readouterr().err
+        assert "prompt: token id 1000000000 is outside the vocabulary (size 320)" in log
+        assert "data type 'nonsense' not understood" in log
+        tokens, _ = await collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        assert len(tokens) == 5 and engine.is_healthy and client.process.is_alive()
+        assert client.outputs.dropped_frames == len(broken)
+        for socket in (rogue_in, rogue_out):
+            socket.close(linger=0)
+        context.term()
 
 
 async def test_killing_the_engine_core_fails_in_flight_requests_quickly(tiny_config: object) -> None:

@@ -1,11 +1,12 @@
 """ZmqCoreClient while starting: an engine core that fails, exits, or never answers makes
-``wait_ready`` raise saying why, and ``shutdown`` removes the sockets' files. (A running engine core
-in its own process is tested end to end in tests/engine/test_async_engine.py.)"""
+``wait_ready`` raise saying why; the sockets' files are owner-only, and ``shutdown`` removes them.
+(A running engine core in its own process is tested end to end in tests/engine/test_async_engine.py.)"""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -82,6 +83,7 @@ async def test_an_engine_core_that_fails_to_start_says_why(config: EngineConfig,
     # The engine core exits without removing its sockets' files; shutdown does.
     files = socket_files(client)
     assert all(f.exists() for f in files)
+    assert [stat.S_IMODE(f.stat().st_mode) for f in files] == [0o600, 0o600]  # bound owner-only
     client.shutdown()
     assert not any(f.exists() for f in files)
     client.shutdown()  # twice is harmless

@@ -5,11 +5,17 @@ across steps, logprobs through it); here each stage is checked on its own, with 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
+from cadence.executor import token_choice
+from cadence.executor.sampler import Sampler
 from cadence.executor.sampling_plan import SamplingRow, Workspace, build_plan, process_logits
 from cadence.executor.token_choice import choose_tokens, gather_logprobs
 from cadence.sampling_params import SamplingParams
@@ -255,3 +261,58 @@ def test_a_top_k_count_above_the_vocabulary_returns_every_token() -> None:
     (entry,) = gather_logprobs(raw, torch.tensor([0]), [10], Workspace())
     assert entry.token_ids == [0, 1, 2, 0] and entry.sampled_rank == 3
     assert entry.logprobs == raw[0, [0, 1, 2, 0]].tolist()
+
+
+# ---- top-p: bounded whatever the input -------------------------------------------------------
+
+
+def within(seconds: float, fn: Callable[[], Any]) -> Any:
+    """``fn()``, failing the test instead of hanging it should ``fn`` loop forever."""
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert result, f"did not finish within {seconds} s"
+    return result[0]
+
+
+@pytest.mark.parametrize("top_p", [1e-30, 1.5e-45], ids=["tiny", "smallest-float32"])
+def test_a_tiny_top_p_takes_exactly_the_argmax_of_a_two_row_batch(top_p: float) -> None:
+    logits = torch.randn(2, 4096, generator=torch.Generator().manual_seed(7))
+    argmax = logits.argmax(-1).tolist()
+    sampler = Sampler()
+    rows = [row(SamplingParams(temperature=1.0, top_p=top_p)), row(SamplingParams(temperature=5.0, top_p=top_p))]
+    torch.manual_seed(0)
+    for _ in range(20):
+        assert within(30, lambda: sampler(logits, rows).token_ids) == argmax
+
+
+def test_a_top_p_of_zero_forced_into_the_plan_ends_with_the_argmax() -> None:
+    """SamplingParams refuses such a top_p; the sampler must end even so: a top_p of 0 rejects
+    every draw, the most likely token included, until a row has nothing left to draw."""
+    logits = torch.randn(5, 512, generator=torch.Generator().manual_seed(11)) * 2
+    logits[3] = 1.0  # all tied: the first rejection empties the row
+    logits[4] = -INF  # no probabilities at all (NaN after softmax)
+    rows = [row(SamplingParams(top_p=0.5, seed=1)), row(), row(SamplingParams(top_p=0.9)),
+            row(SamplingParams(top_p=0.3, seed=2)), row(SamplingParams(top_p=0.7))]
+    plan = build_plan(rows, 512, CPU)
+    assert plan.random is not None and plan.random.top_p is not None
+    forced = dataclasses.replace(plan, random=dataclasses.replace(plan.random, top_p=torch.zeros(4)))
+    for seed in range(10):
+        torch.manual_seed(seed)
+        tokens = within(30, lambda: choose_tokens(logits.clone(), True, rows, forced, Workspace()).tolist())
+        assert tokens == [*logits[:4].argmax(-1).tolist(), 0]
+
+
+def test_rows_still_rejected_after_the_last_round_take_the_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    rows = [row(SamplingParams(top_p=0.9, seed=3)), row(SamplingParams(temperature=2.0)),
+            row(SamplingParams(top_p=0.5))]
+    torch.manual_seed(0)
+    first = choose(logits, rows)  # with the usual bound: row 0 draws from a wide nucleus
+    monkeypatch.setattr(token_choice, "_TOP_P_MAX_ROUNDS", 0)
+    argmax = logits.argmax(-1).tolist()
+    for _ in range(5):
+        got = choose(logits, rows)
+        assert (got[0], got[2]) == (argmax[0], argmax[2])
+    assert first[0] != argmax[0]

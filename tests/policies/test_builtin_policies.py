@@ -79,8 +79,9 @@ def test_chunked_takes_the_usual_spellings_of_true_and_false(cls: Builtin, given
     assert policy.chunked is chunked and policy.options == {"chunked": given}
 
 
-def test_only_chunked_prefill_chunks_by_default() -> None:
-    assert [cls(CONTEXT).chunked for cls in ALL] == [False, True, False, False, False]
+def test_chunking_follows_the_engine_unless_given_and_chunked_prefill_always_chunks() -> None:
+    assert [cls(CONTEXT).chunked for cls in ALL] == [True] * 5
+    assert [cls(NO_CHUNKING).chunked for cls in ALL if cls is not ChunkedPrefillPolicy] == [False] * 4
     assert [cls(NO_CHUNKING, {"chunked": "false"}).chunked for cls in ALL] == [False] * 5
     with pytest.raises(ValueError, match="policy 'chunked-prefill' with chunked=true splits prompts"):
         ChunkedPrefillPolicy(NO_CHUNKING)
@@ -118,7 +119,7 @@ def test_numeric_options_and_their_defaults() -> None:
 
 
 def test_whole_prefills_wait_unless_the_prompt_could_never_fit() -> None:
-    fcfs = FCFSPolicy(CONTEXT)
+    fcfs = FCFSPolicy(CONTEXT, {"chunked": "false"})
     assert fcfs.num_tokens(View("a", num_prompt_tokens=20), token_budget=20) == 20
     assert fcfs.num_tokens(View("a", num_prompt_tokens=20), token_budget=19) == 0  # waits for a whole step
     assert fcfs.num_tokens(View("a", num_prompt_tokens=20), token_budget=12, num_cached_tokens=8) == 12
@@ -158,7 +159,7 @@ def test_fcfs_keeps_the_queue_order_and_never_preempts_for_a_waiting_request() -
 def test_chunked_policies_serve_decodes_before_prefill_chunks() -> None:
     running = [View("p1", num_prompt_tokens=30, num_computed_tokens=10, status=RequestStatus.RUNNING),
                decoding("d1"), View("p2", num_prompt_tokens=30, status=RequestStatus.RUNNING), decoding("d2")]
-    assert ids(FCFSPolicy(CONTEXT).order_running(running)) == ["p1", "d1", "p2", "d2"]
+    assert ids(FCFSPolicy(CONTEXT, {"chunked": "false"}).order_running(running)) == ["p1", "d1", "p2", "d2"]
     for policy in (ChunkedPrefillPolicy(CONTEXT), FCFSPolicy(CONTEXT, {"chunked": "true"}),
                    FairPolicy(CONTEXT, {"chunked": "true"})):
         assert ids(policy.order_running(running)) == ["d1", "d2", "p1", "p2"]
@@ -179,7 +180,7 @@ def test_priority_admits_by_priority_then_arrival_keeping_queue_order_on_ties() 
 def test_priority_orders_running_by_rank_then_decodes_first_when_chunked() -> None:
     running = [View("low-prefill", priority=2, status=RequestStatus.RUNNING), decoding("low-decode", priority=2),
                View("high-prefill", priority=0, status=RequestStatus.RUNNING), decoding("mid-decode", priority=1)]
-    assert ids(PriorityPolicy(CONTEXT).order_running(running)) == [
+    assert ids(PriorityPolicy(CONTEXT, {"chunked": "false"}).order_running(running)) == [
         "high-prefill", "mid-decode", "low-prefill", "low-decode"]
     assert ids(PriorityPolicy(CONTEXT, {"chunked": "true"}).order_running(running)) == [
         "mid-decode", "low-decode", "high-prefill", "low-prefill"]

@@ -41,11 +41,13 @@ def test_bad_options_say_what_to_change(name: str, options: dict[str, str], mess
         load_policy(name, CONTEXT, options)
 
 
-def test_chunking_is_an_option_of_every_policy() -> None:
-    assert not load_policy("fcfs", CONTEXT).chunked
+def test_chunking_is_an_option_of_every_policy_on_by_default_as_the_engine_says() -> None:
+    assert load_policy("fcfs", CONTEXT).chunked
+    assert not load_policy("fcfs", CONTEXT, {"chunked": "false"}).chunked
     assert load_policy("chunked-prefill", CONTEXT).chunked
     for name in ["priority", "fair", "sjf"]:
-        assert load_policy(name, CONTEXT, {"chunked": "true"}).chunked
+        assert load_policy(name, CONTEXT).chunked
+        assert not load_policy(name, CONTEXT, {"chunked": "false"}).chunked
 
 
 def test_chunking_needs_the_engine_to_allow_it() -> None:

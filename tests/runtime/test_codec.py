@@ -334,3 +334,21 @@ def test_a_malformed_array_is_refused_as_documented(ext: msgspec.msgpack.Ext) ->
                                       None, 0.0])
     with pytest.raises((msgspec.DecodeError, ValueError)):
         Codec(m.EngineCoreInput).decode(request)
+
+
+def test_a_well_formed_array_where_a_json_schema_belongs_is_refused() -> None:
+    """It decodes as an array; the params refuse it (the engine core could not make its grammar key)."""
+    request = Codec[Any](m.EngineCoreInput).encode(
+        ["EngineCoreRequest", "r", [1], {"structured_outputs": {"json": {"a": np.arange(3)}}}, None, 0.0])
+    with pytest.raises(msgspec.ValidationError, match=r"structured_outputs\.json is not a JSON value"):
+        Codec(m.EngineCoreInput).decode(request)
+
+
+def test_whatever_fails_inside_an_array_extension_is_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def explode(data: memoryview) -> Any:
+        raise RuntimeError("unforeseen")
+
+    monkeypatch.setattr("cadence.runtime.codec._decode_array", explode)
+    frame = Codec(m.GrammarBitmask).encode(m.GrammarBitmask(["r"], BITMASK))
+    with pytest.raises(ValueError, match=r"^malformed array in msgpack extension: RuntimeError: unforeseen$"):
+        Codec(m.GrammarBitmask).decode(frame)

@@ -4,13 +4,17 @@ warning and counted while the channel keeps serving, and a closed receive side e
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -102,6 +106,10 @@ MALFORMED = [
     # An array of a dtype numpy does not know, where the JSON schema of a request may hold any value.
     msgspec.msgpack.encode(["EngineCoreRequest", "r", [1], {"structured_outputs": {"json": {"a": BAD_ARRAY}}},
                             None, 0.0]),
+    # A well-formed array where a JSON schema belongs: refused by the params, not by the codec.
+    Codec[Any](m.EngineCoreInput).encode(["EngineCoreRequest", "r", [1],
+                                          {"structured_outputs": {"json": {"a": np.zeros(2)}}}, None, 0.0]),
+    msgspec.msgpack.encode(["EngineCoreRequest", "r", [1], {"top_p": 1e-50}, None, 0.0]),
 ]
 
 
@@ -158,3 +166,63 @@ async def test_a_closed_receive_side_ends_the_stream(context: zmq.asyncio.Contex
     receive.close()  # closing twice is harmless
     send.close()
     send.close()
+
+
+class _Exploding:
+    """A codec whose decode raises what no decoder documents, for frames starting with b"!"."""
+
+    def __init__(self, codec: Codec[Any], error: Exception) -> None:
+        self.codec, self.error = codec, error
+
+    def decode(self, frame: memoryview) -> Any:
+        if bytes(frame[:1]) == b"!":
+            raise self.error
+        return self.codec.decode(frame)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyError("k"), TypeError("t"), RecursionError("deep")],
+                         ids=lambda e: type(e).__name__)
+async def test_any_decode_error_drops_the_frame(context: zmq.asyncio.Context, folder: Path, error: Exception,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    send, receive = pair(context, f"ipc://{folder}/in", m.EngineCoreInput)
+    receive._codec = _Exploding(receive._codec, error)  # type: ignore[assignment]
+    rogue = context.socket(zmq.PUSH)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(f"ipc://{folder}/in")
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    with anyio.fail_after(30):
+        await rogue.send(b"!abc")
+        await rogue.send(Codec(m.EngineCoreInput).encode(request(1)))
+        assert await receive.receive() == request(1)
+    assert receive.dropped_frames == 1
+    assert [r.getMessage() for r in caplog.records if r.name == LOGGER] == [
+        f"dropped a malformed frame of 4 bytes: {type(error).__name__}: {error}"]
+    rogue.close()
+    send.close()
+    receive.close()
+
+
+@pytest.mark.parametrize("receiver_binds", [True, False], ids=["receiver-binds", "sender-binds"])
+async def test_a_bound_ipc_socket_is_owner_only_whatever_the_umask(context: zmq.asyncio.Context, folder: Path,
+                                                                   receiver_binds: bool) -> None:
+    umask = os.umask(0)  # the most permissive: a plain bind would make the file 0777
+    try:
+        send, receive = pair(context, f"ipc://{folder}/in", m.EngineCoreInput, receiver_binds=receiver_binds)
+        assert os.umask(0) == 0  # restored after the bind
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(os.stat(folder / "in").st_mode) == 0o600
+    with anyio.fail_after(30):  # the owner still connects
+        await send.send(request(2))
+        assert await receive.receive() == request(2)
+    send.close()
+    receive.close()
+
+
+async def test_an_abstract_ipc_address_has_no_file_to_restrict(context: zmq.asyncio.Context) -> None:
+    send, receive = pair(context, f"ipc://@cadence-test-{uuid.uuid4().hex}", m.EngineCoreInput)
+    with anyio.fail_after(30):
+        await send.send(request(3))
+        assert await receive.receive() == request(3)
+    send.close()
+    receive.close()
