@@ -108,7 +108,7 @@ def test_a_kernel_build_is_announced_with_an_estimate_and_timed(compiler: list[s
     name = f"cadence_cpu_kernels_{cpu_kernels.build_key()}"
     assert compiler == [name] and len(said) == 2
     estimate = cpu_kernels.build_estimate_s()
-    assert said[0] == f"compiling the CPU kernels, once per machine (about {estimate} s) ..."
+    assert said[0] == f"compiling the CPU kernels, once for these sources (about {estimate} s) ..."
     assert re.fullmatch(r"compiled the CPU kernels in [\d.]+ s \(cached in .*/cache/kernels/[0-9a-f]{16}\)", said[1])
 
     cpu_kernels.cpu_ops.__wrapped__()  # the library is there: loaded silently

@@ -304,7 +304,7 @@ class _BuildProgress:
             return
         self._announced.set()
         estimate = build_estimate_s()
-        startup.info("compiling the CPU kernels, once per machine (about %d s) ...", estimate)
+        startup.info("compiling the CPU kernels, once for these sources (about %d s) ...", estimate)
         terminal = _terminal()
         if terminal is None:
             return  # the two lines only, in logs and tests

@@ -114,7 +114,8 @@ class SDPABackend(AttentionBackend):
 
     @classmethod
     def prepare(cls, device: torch.device, dtype: torch.dtype) -> None:
-        runs_kernels(device, dtype)  # built once per machine (about 50 s on 2 cores), then loaded from torch's cache
+        # Built once per version of the sources (about 50 s on 2 cores), then loaded from cadence's cache.
+        runs_kernels(device, dtype)
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SDPAMetadata:
         query_start = layout.query_start_loc.tolist()
