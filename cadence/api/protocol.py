@@ -99,7 +99,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """``POST /v1/completions``: one prompt (text or token ids) or a batch of them."""
 
     prompt: str | list[str | TokenId | list[TokenId]]
-    echo: bool = False
+    echo: bool | None = None  # null: false, as the spec allows
     logprobs: NumLogprobs | None = None
     best_of: Annotated[int, Meta(ge=INT32_MIN, le=INT32_MAX)] | None = None
     suffix: str | None = None

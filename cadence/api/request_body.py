@@ -67,14 +67,14 @@ async def read_body(request: web.BaseRequest, *, max_bytes: int, timeout_s: floa
     """
     declared = request.content_length
     if declared is not None and declared > max_bytes:
-        raise _too_large(max_bytes, f"its Content-Length is {declared} bytes")
+        raise _too_large(max_bytes, f"its Content-Length is {declared} bytes")  # refused unread
     body = bytearray()
     try:
         with anyio.fail_after(timeout_s):
             while chunk := await request.content.readany():
                 body += chunk
                 if len(body) > max_bytes:
-                    raise _too_large(max_bytes, "it is longer")
+                    raise _too_large(max_bytes, f"it grew past {max_bytes} bytes while read")
     except TimeoutError:
         of = f" of the {declared} bytes announced" if declared is not None else ""
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (--request-read-timeout): "
@@ -84,7 +84,7 @@ async def read_body(request: web.BaseRequest, *, max_bytes: int, timeout_s: floa
 
 
 def _too_large(max_bytes: int, why: str) -> APIError:
-    return APIError(413, f"the request body is too large: {why} than this server's limit of {max_bytes} bytes "
+    return APIError(413, f"the request body is too large: {why}; this server's limit is {max_bytes} bytes "
                          "(--max-request-body-bytes)", code="request_too_large")
 
 

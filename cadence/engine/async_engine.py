@@ -201,7 +201,7 @@ class AsyncEngine:
         elif any(request_id in core.manager for core in self.cores):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         core = self._route(request)
-        return await core.manager.add_request(request_id, request, priority=priority, user=user)
+        return core.manager.add_request(request_id, request, priority=priority, user=user)
 
     async def generate(self, prompt: Prompt | PreparedRequest, params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0,

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from cadence.messages import EngineCoreInput, EngineCoreOutputs
-from cadence.runtime.actor import Actor, Mailbox
+from cadence.runtime.actor import Actor, Mailbox, NowaitMailbox
 
 
 class EngineCoreClient(abc.ABC):
@@ -32,10 +32,10 @@ class EngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     def connect(self, outputs_to: Mailbox[EngineCoreOutputs], on_dead: Callable[[str], None]
-                ) -> tuple[Mailbox[EngineCoreInput], list[Actor[Any]]]:
-        """Where to send requests and aborts, and the actors to run (in the front end's task group)
-        so that the engine core's outputs reach ``outputs_to``. ``on_dead`` is told if the engine
-        core reports its own death.
+                ) -> tuple[NowaitMailbox[EngineCoreInput], list[Actor[Any]]]:
+        """Where to send requests and aborts (it takes them without waiting: see ``NowaitMailbox``),
+        and the actors to run (in the front end's task group) so that the engine core's outputs
+        reach ``outputs_to``. ``on_dead`` is told if the engine core reports its own death.
 
         :raises EngineDeadError: if the engine core is dead.
         """

@@ -11,7 +11,7 @@ from cadence.core.engine_core import EngineCore
 from cadence.engine.core_client import EngineCoreClient
 from cadence.errors import EngineDeadError
 from cadence.messages import EngineCoreInput, EngineCoreOutputs
-from cadence.runtime.actor import Actor, Mailbox
+from cadence.runtime.actor import Actor, Mailbox, NowaitMailbox
 
 
 class InProcessCoreClient(EngineCoreClient):
@@ -30,7 +30,7 @@ class InProcessCoreClient(EngineCoreClient):
         return cls(EngineCore.build(config))
 
     def connect(self, outputs_to: Mailbox[EngineCoreOutputs], on_dead: Callable[[str], None]
-                ) -> tuple[Mailbox[EngineCoreInput], list[Actor[Any]]]:
+                ) -> tuple[NowaitMailbox[EngineCoreInput], list[Actor[Any]]]:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         scheduler, executor = self.core.actors(outputs_to)

@@ -29,7 +29,7 @@ from cadence.messages import (
     SequenceDelta,
     TrackRequest,
 )
-from cadence.runtime.actor import UNBOUNDED, Actor, Mailbox
+from cadence.runtime.actor import UNBOUNDED, Actor, NowaitMailbox
 
 
 class RequestHandle:
@@ -116,10 +116,10 @@ class RequestManager(Actor[DetokenizedOutputs]):
         self._dead: str | None = None
         # When the manager last went from no pending request to some (time.monotonic()).
         self.busy_since = time.monotonic()
-        self.engine_core: Mailbox[Any]
-        self.detokenizer: Mailbox[Any]
+        self.engine_core: NowaitMailbox[Any]
+        self.detokenizer: NowaitMailbox[Any]
 
-    def connect(self, engine_core: Mailbox[Any], detokenizer: Mailbox[Any]) -> None:
+    def connect(self, engine_core: NowaitMailbox[Any], detokenizer: NowaitMailbox[Any]) -> None:
         self.engine_core = engine_core
         self.detokenizer = detokenizer
 
@@ -133,9 +133,12 @@ class RequestManager(Actor[DetokenizedOutputs]):
 
     # ---- admission ---------------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prepared: PreparedRequest, *, priority: int = 0,
-                          user: str | None = None) -> RequestHandle:
+    def add_request(self, request_id: str, prepared: PreparedRequest, *, priority: int = 0,
+                    user: str | None = None) -> RequestHandle:
         """Submit a prepared request (see :mod:`cadence.engine.admission`) under the caller's id.
+
+        Never yields to the event loop, so no cancellation (a client gone) can leave a request half
+        submitted: registered here, and its sequences not all sent to the engine core.
 
         :raises InvalidRequestError: if a request with ``request_id`` is still pending.
         :raises EngineDeadError: if the engine died.
@@ -155,8 +158,8 @@ class RequestManager(Actor[DetokenizedOutputs]):
                 params, n=1, seed=None if params.seed is None else params.seed + index)
             parent.unfinished[child_id] = index
             self._children[child_id] = _Child(request_id, parent, index)
-            await self.detokenizer.send(TrackRequest(child_id, prepared.prompt_token_ids, child_params))
-            await self.engine_core.send(EngineCoreRequest(
+            self.detokenizer.send_nowait(TrackRequest(child_id, prepared.prompt_token_ids, child_params))
+            self.engine_core.send_nowait(EngineCoreRequest(
                 request_id=child_id, prompt_token_ids=prepared.prompt_token_ids, sampling_params=child_params,
                 eos_token_id=self.limits.eos_token_id, arrival_time=arrival, priority=priority, user=user))
         return RequestHandle(request_id, prepared, outputs)

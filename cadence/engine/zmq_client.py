@@ -28,7 +28,7 @@ from cadence.messages import (
     EngineCoreReady,
     EngineDead,
 )
-from cadence.runtime.actor import Actor, Mailbox
+from cadence.runtime.actor import Actor, Mailbox, NowaitMailbox
 from cadence.runtime.forwarder import Forwarder
 from cadence.runtime.zmq_channel import ZmqReceiveChannel, ZmqSendChannel
 
@@ -45,8 +45,9 @@ class ZmqCoreClient(EngineCoreClient):
             target=engine_core_main, args=(config, self.addresses, log_level),
             name=f"cadence-engine-core-{rank}", daemon=config.parallel.executor_backend != "mp")
         self._context = zmq.asyncio.Context()
+        # Unbounded: the request manager submits without waiting (admission bounds what it sends).
         self.inputs: ZmqSendChannel[EngineCoreInput] = ZmqSendChannel(
-            self._context, self.addresses.input, EngineCoreInput, bind=False)
+            self._context, self.addresses.input, EngineCoreInput, bind=False, unbounded=True)
         self.outputs: ZmqReceiveChannel[Any] = ZmqReceiveChannel(
             self._context, self.addresses.output, EngineCoreEvent, bind=False)
 
@@ -82,7 +83,7 @@ class ZmqCoreClient(EngineCoreClient):
         raise RuntimeError(first.error if isinstance(first, EngineDead) else first)
 
     def connect(self, outputs_to: Mailbox[EngineCoreOutputs], on_dead: Callable[[str], None]
-                ) -> tuple[Mailbox[EngineCoreInput], list[Actor[Any]]]:
+                ) -> tuple[NowaitMailbox[EngineCoreInput], list[Actor[Any]]]:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         routes: dict[type, Mailbox[Any]] = {EngineCoreOutputs: outputs_to, EngineDead: _DeathNotice(on_dead)}

@@ -31,6 +31,13 @@ class Mailbox(Protocol[M_contra]):
     def close(self) -> None: ...
 
 
+class NowaitMailbox(Mailbox[M_contra], Protocol[M_contra]):
+    """A mailbox that also takes a message without yielding to the event loop, so that a run of
+    sends cannot be cut short by a cancellation (an actor's unbounded inbox, an unbounded channel)."""
+
+    def send_nowait(self, message: M_contra) -> None: ...
+
+
 class Actor(abc.ABC, Generic[M]):
     """One component of the engine: receives messages of type ``M`` through its inbox."""
 

@@ -23,14 +23,29 @@ T = TypeVar("T")
 
 
 class ZmqSendChannel(Generic[T]):
-    def __init__(self, context: zmq.asyncio.Context, address: str, message_type: Any, *, bind: bool) -> None:
+    """``unbounded``: queue frames without limit (no high-water mark), so that :meth:`send_nowait`
+    never fails; for a sender whose callers bound what they send (the front end's admission)."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str, message_type: Any, *, bind: bool,
+                 unbounded: bool = False) -> None:
         self._codec: Codec[T] = Codec(message_type)
         self._socket = context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if unbounded:
+            self._socket.setsockopt(zmq.SNDHWM, 0)
         _bind_private(self._socket, address) if bind else self._socket.connect(address)
+        # The same socket, for sends that must not yield to the event loop.
+        self._sync_socket: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
 
     async def send(self, message: T) -> None:
         await self._socket.send(self._codec.encode(message), copy=False)
+
+    def send_nowait(self, message: T) -> None:
+        """Queue ``message`` without yielding (no cancellation can cut a run of these short).
+
+        :raises zmq.Again: the queue is full (never when ``unbounded``).
+        """
+        self._sync_socket.send(self._codec.encode(message), zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
         self._socket.close(linger=0)

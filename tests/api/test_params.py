@@ -583,3 +583,7 @@ def test_a_template_that_raises_is_a_400() -> None:
                "the chat template rejected the messages: the first message must be the system prompt")
     system = chat(messages=[{"role": "developer", "content": "Hi"}]).messages
     assert rendered(tokenizer, chat_prompt(system, tokenizer)) == "Hi"
+
+
+def test_echo_may_be_null_as_the_spec_allows() -> None:
+    assert not decode_request(b'{"prompt": "x", "echo": null}', CompletionRequest).echo

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from cadence.engine.admission import PreparedRequest
@@ -170,6 +171,27 @@ async def test_leaving_generate_early_aborts_the_request(llm: LLM) -> None:
                 await anyio.sleep(0.01)
             assert engine.num_pending_requests == 0
         assert llm.engine_core.scheduler.num_unfinished == 0
+
+
+@pytest.mark.parametrize("yields_before_cancel", [0, 1, 2, 3])
+async def test_a_caller_cancelled_while_it_submits_leaves_nothing_pending(llm: LLM, yields_before_cancel: int) -> None:
+    """A client gone while its request was being submitted (a handler cancelled at any point)."""
+    async with llm.running() as engine:
+
+        async def consume() -> None:
+            async for _ in engine.generate(PROMPT, LONG):
+                pass
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(consume)
+                for _ in range(yields_before_cancel):
+                    await anyio.lowlevel.checkpoint()
+                group.cancel_scope.cancel()
+            while engine.num_pending_requests or engine.stats is None or engine.stats.num_running:
+                await anyio.sleep(0.01)
+        assert engine.cores[0].stalled_for(float("inf")) == 0.0  # nothing for the watchdog to see
+    assert llm.engine_core.scheduler.num_unfinished == 0
 
 
 async def test_a_failing_worker_fails_pending_requests_and_kills_the_engine(

@@ -148,7 +148,7 @@ async def test_requests_round_trip_through_the_front_end(tokenizer: Any) -> None
 
     async def body() -> None:
         assert front.stats is None and front.num_pending == 0 and front.load == 0
-        handles = [await front.manager.add_request(request_id, request(len(TOKENS), n=2))
+        handles = [front.manager.add_request(request_id, request(len(TOKENS), n=2))
                    for request_id in ("a#0", "a")]
         for handle in handles:
             results[handle.request_id] = await handle.result()
@@ -166,7 +166,7 @@ async def test_a_stop_string_aborts_in_the_engine_core(tokenizer: Any) -> None:
     front = build_front_end(client, tokenizer, LIMITS, lambda error: None)
 
     async def body() -> None:
-        handle = await front.manager.add_request("r", request(len(TOKENS), stop=["How"]))
+        handle = front.manager.add_request("r", request(len(TOKENS), stop=["How"]))
         result = await handle.result()
         assert result.outputs[0].text == "Hello world! " and result.outputs[0].stop_reason == "How"
 
@@ -180,7 +180,7 @@ async def test_load_counts_pending_and_queued_requests(tokenizer: Any) -> None:
 
     async def body() -> None:
         assert front.load == 0  # nothing pending, no stats yet
-        handles = [await front.manager.add_request(f"r{i}", request(1)) for i in range(3)]
+        handles = [front.manager.add_request(f"r{i}", request(1)) for i in range(3)]
         for handle in handles[:2]:
             await handle.result()
         assert front.num_pending == 1 and front.load == 1 + 5
@@ -199,7 +199,7 @@ async def test_the_router_sees_the_prefix_cache_before_the_caller_sees_the_outpu
 
     async def body() -> None:
         assert router.matched_blocks(prompt) == [0, 0]
-        handle = await front.manager.add_request("r", request(3, prompt=prompt))
+        handle = front.manager.add_request("r", request(3, prompt=prompt))
         async for _ in handle.deltas():
             # Already by the first output: the step that cached the block has been taken in.
             assert router.matched_blocks(prompt) == ([0, 1] if prefix_caching else [0, 0])

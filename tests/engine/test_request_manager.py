@@ -46,6 +46,9 @@ class Mailbox:
     async def send(self, message: Any) -> None:
         self.log.append((self.name, message))
 
+    def send_nowait(self, message: Any) -> None:
+        self.log.append((self.name, message))
+
     def close(self) -> None:
         self.closed = True
 
@@ -61,7 +64,7 @@ class Harness:
 
     async def add(self, request_id: str, prepared: PreparedRequest, **kwargs: Any) -> tuple[RequestHandle, list[str]]:
         before = len(self.sent(EngineCoreRequest))
-        handle = await self.manager.add_request(request_id, prepared, **kwargs)
+        handle = self.manager.add_request(request_id, prepared, **kwargs)
         children = [r.request_id for r in self.sent(EngineCoreRequest)[before:]]
         return handle, children
 
@@ -296,3 +299,16 @@ async def test_the_actor_ends_when_its_inbox_closes() -> None:
     h.manager.close()
     with anyio.fail_after(10):
         await h.manager.run()
+
+
+async def test_a_cancelled_caller_never_leaves_a_request_half_submitted() -> None:
+    """Submitting never yields: a cancellation (a client gone) lands before or after it, never inside,
+    so every registered request has all its sequences at the engine core."""
+    harness = Harness()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        handle, children = await harness.add("r", prepared(n=3))
+    assert len(children) == 3 and "r" in harness.manager
+    assert [m.request_id for m in harness.sent(TrackRequest)] == children
+    await harness.manager.abort(handle.request_id)
+    assert harness.sent(AbortRequests) == [AbortRequests(children)]
