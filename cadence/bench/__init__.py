@@ -1,1 +1,1 @@
-"""Benchmarks: offline throughput, serving load generation, and their shared metrics."""
+"""Benchmarks: offline throughput, serving load generation and their shared metrics, and the soak test."""

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from cadence.bench import serve, throughput
+from cadence.bench.soak import cli as soak
 
 
 def register(verbs: argparse._SubParsersAction[Any]) -> None:
@@ -17,3 +18,8 @@ def register(verbs: argparse._SubParsersAction[Any]) -> None:
     online = kinds.add_parser("serve", help="load an OpenAI-compatible server (like vllm bench serve)")
     serve.add_arguments(online)
     online.set_defaults(run=serve.run)
+    endurance = kinds.add_parser("soak", help="minutes of mixed load on cadence serve, then a verdict on "
+                                              "memory, requests and the KV pool",
+                                 description=soak.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    soak.add_arguments(endurance)
+    endurance.set_defaults(run=soak.run)

@@ -73,6 +73,11 @@ class RequestRecord:
         return self.success and len(self.chunk_times) > 0
 
 
+def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
+    """The ``q``-th percentile (0-100), linear between closest ranks (numpy's and vLLM's); None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
+
+
 @dataclass(frozen=True)
 class LatencyStats:
     """mean / median / std and the chosen percentiles of one latency, in milliseconds."""

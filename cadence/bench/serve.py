@@ -59,7 +59,7 @@ async def _stream_one(session: aiohttp.ClientSession, target: ServeTarget, reque
         body["messages"] = [{"role": "user", "content": prompt_text}]
     else:
         body["prompt"] = prompt_text
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    headers = auth_headers(target.api_key)
     sent = time.perf_counter()
     chunks: list[float] = []
     output_tokens = 0
@@ -82,12 +82,16 @@ async def _stream_one(session: aiohttp.ClientSession, target: ServeTarget, reque
     return RequestRecord(sent, chunks, prompt_tokens, output_tokens or len(chunks), success=bool(chunks))
 
 
-async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The payload of each ``data:`` line of an SSE response, ``[DONE]`` included, until the body ends."""
     async for raw in response.content:
         line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
+
+
+async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    async for data in sse_data(response):
         if data == b"[DONE]":
             return
         yield json.loads(data)
@@ -136,11 +140,21 @@ async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompt
     return records, start, end
 
 
-async def served_model(base_url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with aiohttp.ClientSession() as session, session.get(base_url + "/v1/models", headers=headers) as r:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def model_card(base_url: str, api_key: str | None) -> dict[str, Any]:
+    """The first model ``/v1/models`` lists (cadence's card also holds ``max_model_len``)."""
+    async with aiohttp.ClientSession() as session, \
+            session.get(base_url + "/v1/models", headers=auth_headers(api_key)) as r:
         r.raise_for_status()
-        return str((await r.json())["data"][0]["id"])
+        card: dict[str, Any] = (await r.json())["data"][0]
+        return card
+
+
+async def served_model(base_url: str, api_key: str | None) -> str:
+    return str((await model_card(base_url, api_key))["id"])
 
 
 def format_report(metrics: BenchmarkMetrics, title: str = "Serving Benchmark Result") -> str:

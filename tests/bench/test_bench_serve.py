@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import aiohttp.web
 import pytest
@@ -37,25 +36,10 @@ async def _completions(request: aiohttp.web.Request) -> aiohttp.web.StreamRespon
 
 
 @pytest.fixture
-def server() -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+def server(run_app: Callable[[aiohttp.web.Application], str]) -> str:
     app = aiohttp.web.Application()
     app.router.add_post("/v1/completions", _completions)
-    loop = asyncio.new_event_loop()
-    runner = aiohttp.web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(aiohttp.web.TCPSite(runner, "127.0.0.1", port).start())
-    import threading
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join()
+    return run_app(app)
 
 
 def test_records_every_streamed_chunk_and_counts_failures(server: str) -> None:
