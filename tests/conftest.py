@@ -1,82 +1,17 @@
-"""Shared test factories.
-
-``make_tiny_model`` builds tiny random Hugging Face checkpoints (Llama, Qwen2, Mistral) with a
-byte-level BPE tokenizer, offline, in well under a second; each variant is built once per session.
-"""
+"""Fixtures every test folder shares: tiny models (``make_tiny_model``, built by
+``support/tiny_models.py``), a real server of one (``serve_tiny``), OpenAI's spec (``spec``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-TINY_VOCAB = 320
-TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-_TRAINING_TEXT = [
-    "The capital of France is Paris.",
-    "Hello world! How are you today?",
-    "A paged KV cache stores keys and values in fixed-size blocks.",
-    "0123456789 + - * / = ( ) [ ] { }",
-]
-
-
-def tiny_config(arch: str, **overrides: Any) -> Any:
-    """A 2-layer config (hidden 64, 4 heads, 2 KV heads) for ``arch`` in llama, qwen2, mistral."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
-    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-    kwargs: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        architectures=[names[arch]],
-    )
-    kwargs.update(overrides)
-    return classes[arch](**kwargs)
-
-
-def build_tiny_tokenizer() -> Any:
-    """A byte-level BPE tokenizer (vocabulary of ``TINY_VOCAB``) trained on a few sentences."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=TINY_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(_TRAINING_TEXT, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", chat_template=_TINY_CHAT_TEMPLATE)
-
-
-def build_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
-    """Save a random fp32 ``arch`` model (safetensors + config) and the tiny tokenizer in ``folder``.
-
-    Weights are drawn wider than transformers' init (std 0.1, norms around 1, biases non-zero) so
-    that logits are O(1) and every parameter, biases included, affects the output.
-    """
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    build_tiny_tokenizer().save_pretrained(folder)
-    return folder
+from support.openai_spec import OpenAISpec
+from support.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +26,23 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def serve_tiny(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+               ) -> Callable[..., contextlib.AbstractContextManager[Any]]:
+    """``with serve_tiny(*flags) as server``: a real ``cadence serve`` of the tiny llama (fp32, one
+    thread) with these flags, its log in a temp folder; on leaving, it must stop with exit status 0."""
+    from cadence.api.testing import ServerProcess
+
+    @contextlib.contextmanager
+    def serve(*flags: str) -> Iterator[ServerProcess]:
+        args = ["--model", str(make_tiny_model("llama")), "--dtype", "float32", "--num-threads", "1", *flags]
+        with ServerProcess(args, log_path=tmp_path_factory.mktemp("server") / "server.log") as process:
+            yield process
+            assert process.stop() == 0, process.log()
+
+    return serve
 
 
 @pytest.fixture(autouse=True)
@@ -132,3 +84,9 @@ def kill_mid_generation() -> Callable[[Any, int], BaseException | None]:
         return outcome[0]
 
     return kill
+
+
+@pytest.fixture(scope="session")
+def spec() -> OpenAISpec:
+    """OpenAI's published API spec, to validate response bodies against (parsed once)."""
+    return OpenAISpec()

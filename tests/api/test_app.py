@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import build_tiny_tokenizer
 from support.openai_spec import OpenAISpec
 from support.scripted_engine import ScriptedEngine, post_json
+from support.tiny_models import build_tiny_tokenizer
 
 from cadence.api.logprobs import TokenTexts, _bytes_to_unicode
 from cadence.errors import EngineDeadError
@@ -51,11 +51,6 @@ def call_then_scrape(script: list[Step], path: str, body: dict[str, Any]) -> tup
 
 def events(text: str) -> list[str]:
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
-
-
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
 
 
 def test_an_internal_failure_is_500(spec: OpenAISpec) -> None:

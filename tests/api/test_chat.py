@@ -54,11 +54,6 @@ def streamed(engine: ScriptedEngine, body: dict[str, Any], spec: OpenAISpec) -> 
     return decoded
 
 
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
-
-
 # Two choices that end differently, interleaved; the middle step holds back text (a partial character).
 TWO_CHOICES = [step(out(0, "Pa", [PAR]), out(1, "He", [HE])),
                step(out(1, "", [7])),

@@ -76,11 +76,6 @@ def by_choice(chunks: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     return parts
 
 
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
-
-
 def two_sequences(prompt: int) -> list[RequestOutput]:
     """Sequence 0 says "<prompt>a" and stops, sequence 1 "<prompt>b!" and hits the length."""
     return [step(out(0, f"{prompt}a", [5]), out(1, f"{prompt}b", [6])),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import pytest
@@ -44,18 +44,10 @@ MODES = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
 
 
 @pytest.fixture(scope="module")
-def server(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--model", str(make_tiny_model("llama")), "--dtype", "float32", "--num-threads", "1",
-            "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
-    with ServerProcess(args, log_path=tmp_path_factory.mktemp("server") / "server.log") as process:
+def server(serve_tiny: Callable[..., ContextManager[ServerProcess]]) -> Iterator[ServerProcess]:
+    with serve_tiny("--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)) as process:
         yield process
         assert process.health() == 200, process.log()
-        assert process.stop() == 0, process.log()
-
-
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,6 @@ def long_model(make_tiny_model: Callable[..., Path]) -> Path:
     return make_tiny_model("llama", max_position_embeddings=4096)
 
 
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
-
-
 def start(model: Path, tmp_path: Path, *extra: str) -> ServerProcess:
     args = ["--model", str(model), "--dtype", "float32", "--num-threads", "1", *extra]
     return ServerProcess(args, log_path=tmp_path / "server.log").__enter__()

@@ -9,7 +9,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import aiohttp
@@ -27,11 +27,9 @@ NUM_LEAVING = 50
 
 
 @pytest.fixture(scope="module")
-def server(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--model", str(make_tiny_model("llama")), "--dtype", "float32", "--num-threads", "1"]
-    with ServerProcess(args, log_path=tmp_path_factory.mktemp("server") / "server.log") as process:
+def server(serve_tiny: Callable[..., ContextManager[ServerProcess]]) -> Iterator[ServerProcess]:
+    with serve_tiny() as process:
         yield process
-        assert process.stop() == 0, process.log()
 
 
 def metrics(url: str) -> dict[str, float]:

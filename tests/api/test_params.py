@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import build_tiny_tokenizer
+from support.tiny_models import build_tiny_tokenizer
 from tokenizers import processors
 
 from cadence.api.constraints import ConstraintChecks

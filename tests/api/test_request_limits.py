@@ -32,11 +32,6 @@ PROMPT = {"prompt": "Paris"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
-
-
 def engine() -> ScriptedEngine:
     return ScriptedEngine(lambda call: [step(*(out(i, "x", [5], "stop") for i in range(call.request.params.n)))])
 

@@ -9,7 +9,7 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import aiohttp
@@ -24,17 +24,9 @@ MAX_BODY = 4 * 2**20  # the default
 
 
 @pytest.fixture(scope="module")
-def server(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--model", str(make_tiny_model("llama")), "--dtype", "float32", "--num-threads", "1",
-            "--request-read-timeout", "2"]
-    with ServerProcess(args, log_path=tmp_path_factory.mktemp("server") / "server.log") as process:
+def server(serve_tiny: Callable[..., ContextManager[ServerProcess]]) -> Iterator[ServerProcess]:
+    with serve_tiny("--request-read-timeout", "2") as process:
         yield process
-        assert process.stop() == 0, process.log()
-
-
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
 
 
 def raw_exchange(server: ServerProcess, request: bytes) -> tuple[bytes, dict[str, Any]]:
@@ -88,7 +80,7 @@ def test_a_body_shorter_than_its_content_length_is_408_and_closed(server: Server
 def test_a_50_mb_prompt_is_413_at_once(server: ServerProcess, spec: OpenAISpec) -> None:
     response = post(server, {"prompt": "a" * (50 * 2**20)})
     check_error(spec, response.status_code, response.json(), 413, "request_too_large")
-    assert f"limit of {MAX_BODY} bytes (--max-request-body-bytes)" in response.json()["error"]["message"]
+    assert f"limit is {MAX_BODY} bytes (--max-request-body-bytes)" in response.json()["error"]["message"]
 
 
 def test_a_prompt_no_tokenization_can_fit_is_refused_without_tokenizing(server: ServerProcess,

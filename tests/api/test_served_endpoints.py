@@ -7,14 +7,15 @@ import asyncio
 import json
 import re
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from conftest import TINY_SPECIAL_TOKENS
 from support.openai_spec import OpenAISpec
+from support.tiny_models import TINY_SPECIAL_TOKENS
 
 from cadence import SamplingParams
 from cadence.api.testing import ServerProcess
@@ -33,17 +34,9 @@ def tiny_model(make_tiny_model: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--model", str(tiny_model), "--dtype", "float32", "--num-threads", "1", "--api-key", KEY,
-            "--served-model-name", MODEL, "tiny-alias"]
-    with ServerProcess(args, log_path=tmp_path_factory.mktemp("server") / "server.log") as process:
+def server(serve_tiny: Callable[..., ContextManager[ServerProcess]]) -> Iterator[ServerProcess]:
+    with serve_tiny("--api-key", KEY, "--served-model-name", MODEL, "tiny-alias") as process:
         yield process
-        assert process.stop() == 0, process.log()
-
-
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
 
 
 @pytest.fixture(scope="module")

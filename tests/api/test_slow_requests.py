@@ -32,11 +32,6 @@ SLOW_REGEX = "slow+"
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
-
-
 class Gate:
     """A point slow work waits at until the test opens it (or the hang guard passes)."""
 

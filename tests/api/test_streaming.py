@@ -9,7 +9,6 @@ import json
 from collections.abc import Awaitable, Callable
 
 import anyio
-import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from msgspec import Struct
@@ -49,11 +48,6 @@ def sending(*chunks: Chunk, then: BaseException | None = None) -> Produce:
         if then is not None:
             raise then
     return produce
-
-
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
 
 
 def test_each_chunk_is_one_data_event_and_done_ends_the_stream() -> None:

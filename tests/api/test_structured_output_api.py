@@ -38,11 +38,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         assert process.stop() == 0, process.log()
 
 
-@pytest.fixture(scope="module")
-def spec() -> OpenAISpec:
-    return OpenAISpec()
-
-
 @pytest.fixture
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TINY_VOCAB, build_tiny_tokenizer
+from support.tiny_models import TINY_VOCAB, build_tiny_tokenizer
 
 from cadence.engine.admission import ModelLimits, PreparedRequest, check_request, prepare_request, tokenize_prompt
 from cadence.engine_args import EngineArgs

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import build_tiny_tokenizer
+from support.tiny_models import build_tiny_tokenizer
 
 from cadence.engine.detokenizer_actor import DetokenizerActor
 from cadence.messages import (

@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import build_tiny_tokenizer
+from support.tiny_models import build_tiny_tokenizer
 
 from cadence.core.block_pool import hash_block
 from cadence.engine.admission import ModelLimits, PreparedRequest

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.tiny_models import tiny_config
 
 import cadence.executor.multiproc
 import cadence.executor.ray_executor

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.tiny_models import tiny_config
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 

@@ -16,13 +16,13 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import build_tiny_tokenizer
 
 from cadence.api.app import build_app
 from cadence.api.serving import ServerSettings
 from cadence.engine.admission import ModelLimits, PreparedRequest, prepare_request
 from cadence.messages import CompletionOutput, RequestOutput, SchedulerStats, TokenLogprobs
 from cadence.sampling_params import SamplingParams
+from support.tiny_models import build_tiny_tokenizer
 
 
 @dataclass
