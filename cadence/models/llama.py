@@ -34,6 +34,7 @@ from cadence.distributed.layers import (
 )
 from cadence.distributed.partition import even_split, head_shard
 from cadence.models.layers import RMSNorm, RotaryEmbedding, StepRope, head_dim_of, kernels
+from cadence.models.registry import CausalLM
 
 # Checkpoint projection -> (our fused projection, shard index within it).
 _FUSED_SHARDS = {
@@ -127,7 +128,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """A decoder-only Llama-family model that reads and writes K/V through an attention backend.
 
     Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``;
@@ -260,26 +261,3 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     fixed_biases = (True, False)
-
-
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-}
-_BY_MODEL_TYPE = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
-
-
-def model_class_for(hf_config: PretrainedConfig) -> type[LlamaForCausalLM]:
-    """The class for ``hf_config.architectures`` (or, when a config names none, its ``model_type``).
-
-    :raises ValueError: the architecture is not one cadence implements.
-    """
-    architectures = getattr(hf_config, "architectures", None) or []
-    for arch in architectures:
-        if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
-    if not architectures and getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:
-        return _BY_MODEL_TYPE[hf_config.model_type]
-    named = ", ".join(architectures) or f"model_type {getattr(hf_config, 'model_type', None)!r}"
-    raise ValueError(f"unsupported architecture {named}; supported: {', '.join(MODEL_REGISTRY)}")

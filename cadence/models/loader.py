@@ -28,7 +28,7 @@ from cadence.config import ConfigError, cache_dir
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.layers import pack_weights
 from cadence.models.layers import sliding_window_of
-from cadence.models.llama import LlamaForCausalLM, model_class_for
+from cadence.models.registry import CausalLM, model_class_for
 from cadence.startup_log import startup
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def load_model(
     device: torch.device,
     backend_cls: type[AttentionBackend],
     group: ParallelGroup = SINGLE_RANK,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the model for ``hf_config`` on ``device`` and load every ``*.safetensors`` file of ``folder``.
 
     ``folder`` may also be a ``.gguf`` file (see :func:`resolve_model`). Under tensor parallelism

@@ -17,8 +17,9 @@ from cadence.backends.registry import available_backends, load_backend
 from cadence.backends.sdpa_backend import SDPABackend
 from cadence.config import ConfigError
 from cadence.models import loader
-from cadence.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, model_class_for
+from cadence.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from cadence.models.loader import load_hf_config, load_model, max_model_len_of, resolve_model
+from cadence.models.registry import model_class_for
 
 CPU = torch.device("cpu")
 
@@ -244,9 +245,10 @@ def test_load_weights_rejects_unknown_and_missing_names(make_tiny_model) -> None
 
 def test_model_class_for_lists_supported_architectures() -> None:
     assert model_class_for(Qwen2Config(architectures=["Qwen2ForCausalLM"])) is Qwen2ForCausalLM
+    assert model_class_for(Qwen2Config()) is Qwen2ForCausalLM  # no architectures: by model_type
     with pytest.raises(ValueError, match="LlamaForCausalLM") as info:
         model_class_for(Qwen2Config(architectures=["GPT2LMHeadModel"]))
-    assert "GPT2LMHeadModel" in str(info.value)
+    assert "GPT2LMHeadModel" in str(info.value) and "docs/models.md" in str(info.value)
 
 
 def test_max_model_len_is_capped_by_a_sliding_window() -> None:

@@ -24,19 +24,20 @@ _TRAINING_TEXT = [
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
-    """A 2-layer config (hidden 64, 4 heads, 2 KV heads) for ``arch`` in llama, qwen2, mistral."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """A 2-layer config (hidden 64, 4 heads, 2 KV heads) of transformers' ``model_type`` ``arch``
+    (llama, qwen2, mistral, qwen3, phi3, mixtral, qwen3_moe ...), naming its causal-LM class;
+    ``overrides`` set any of its fields (a family's own: experts, windows, rope scaling ...)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
-    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
     kwargs: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        architectures=[names[arch]],
+        architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch]],
     )
     kwargs.update(overrides)
-    return classes[arch](**kwargs)
+    return AutoConfig.for_model(arch, **kwargs)
 
 
 def build_tiny_tokenizer() -> Any:
