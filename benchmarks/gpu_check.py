@@ -2,12 +2,14 @@
 
 1. kernels: every installed backend against ``sdpa`` (fp32 math, rounded once) on random mixed
    paged batches: decodes with long ragged contexts (split-K), prefills over cached prefixes,
-   GQA ratios, head dims 64/128, block sizes 16/32 (and 256 for FlashAttention's paged path);
+   GQA ratios, head dims 64/128, block sizes 16/32 (and 256 for FlashAttention's paged path); then
+   sliding windows and logit soft-capping against their fp64 definition (Mistral's, Gemma 2's heads);
 2. engine: SmolLM2-135M-Instruct greedy output with each backend on the GPU against the CPU
    reference (``sdpa`` on the CPU): fp32 runs must be equal token for token; bf16 runs are
    compared with the CPU's bf16 run and reported (bf16 may part ways at a near tie);
 3. timing: decode and prefill per backend (one layer's ``forward``: cache write + attention) with
-   the achieved memory bandwidth against the device's peak.
+   the achieved memory bandwidth against the device's peak (windowed cases count only the keys in
+   the windows: a kernel that reads past them shows several times the peak).
 
     python benchmarks/gpu_check.py                 # everything, on cuda
     python benchmarks/gpu_check.py --skip timing   # or --skip kernels / engine
@@ -19,9 +21,11 @@ Exits 1 when a strict check fails (kernel mismatch, fp32 token mismatch, an erro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import importlib.util
+import itertools
 import os
 import platform
 import statistics
@@ -36,7 +40,7 @@ import torch
 
 from cadence.backends.base import AttentionBackend, BatchLayout
 from cadence.backends.registry import available_backends, load_backend
-from cadence.backends.testing import PagedBatch, random_paged_batch, run_backend, sdpa_reference
+from cadence.backends.testing import PagedBatch, naive_reference, random_paged_batch, run_backend, sdpa_reference
 
 START = time.perf_counter()
 BUDGET_S = 270.0  # stop starting timing cases past this, to stay under 5 minutes
@@ -131,18 +135,13 @@ def kernel_checks(names: list[str], device: torch.device, quick: bool) -> None:
     batches = [("mixed", QUICK_MIXED)] if quick else [("mixed", MIXED), ("decodes", DECODES)]
     for name in names:
         for i, (heads, kv_heads, dim) in enumerate(shapes):
-            block_sizes = [16, 32][i % 2:i % 2 + 1]
-            if name == "flash_attn":
-                block_sizes.append(256)
-            dtypes = [torch.bfloat16] if i else [torch.bfloat16, torch.float16, torch.float32]
-            if name == "flash_attn":
-                dtypes = [d for d in dtypes if d != torch.float32]
-            for block_size in block_sizes:
-                for dtype in dtypes:
-                    for label, requests in batches:
-                        case = f"{name} H{heads}/{kv_heads} D{dim} bs{block_size} {_dtype(dtype)} {label}"
-                        guarded("kernels", case, functools.partial(
-                            _kernel_case, name, requests, heads, kv_heads, dim, block_size, dtype, device, case))
+            flash = name == "flash_attn"  # also its paged path (blocks of 256); no fp32
+            block_sizes = [16, 32][i % 2:i % 2 + 1] + ([256] if flash else [])
+            dtypes = [torch.bfloat16] if i else [torch.bfloat16, torch.float16] + ([] if flash else [torch.float32])
+            for block_size, dtype, (label, requests) in itertools.product(block_sizes, dtypes, batches):
+                case = f"{name} H{heads}/{kv_heads} D{dim} bs{block_size} {_dtype(dtype)} {label}"
+                guarded("kernels", case, functools.partial(
+                    _kernel_case, name, requests, heads, kv_heads, dim, block_size, dtype, device, case))
 
 
 def _kernel_case(name: str, requests: list[tuple[int, int]], heads: int, kv_heads: int, dim: int,
@@ -169,25 +168,63 @@ def backends_for(device: torch.device) -> list[str]:
     return names
 
 
-def make_backend(name: str, batch: PagedBatch, device: torch.device) -> AttentionBackend:
+def make_backend(name: str, batch: PagedBatch, device: torch.device, **options: Any) -> AttentionBackend:
+    """``options``: the backend's keyword arguments (``sliding_window``, ``logits_soft_cap``)."""
     cls = load_backend(name, device, batch.q.dtype, batch.head_dim, batch.k_cache.shape[1])
-    return cls(batch.num_heads, batch.num_kv_heads, batch.head_dim, batch.head_dim ** -0.5)
+    return cls(batch.num_heads, batch.num_kv_heads, batch.head_dim, batch.head_dim ** -0.5, **options)
 
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# (label, sliding window, soft-cap); with a cap, q is scaled so that the random scores pass it.
+WINDOW_CASES = [("window 1", 1, None), ("window 50", 50, None), ("window 1000", 1000, None),
+                ("window past every context", 1 << 20, None), ("soft-cap 2", None, 2.0),
+                ("window 1000 soft-cap 2", 1000, 2.0)]
+# Decodes past the window (split-K over it), prompts and chunks over prefixes shorter and longer than it;
+# small, as the reference computes one token at a time.
+WINDOW_BATCH = [(0, 32), (3000, 1), (1500, 1), (17, 33), (1100, 9), (40, 1)]
+QUICK_WINDOW_BATCH = [(0, 20), (100, 1), (9, 9), (40, 1)]
+# ((heads, KV heads, head dim), block size, dtype): Mistral-7B, Gemma-2-2B (bf16 only, as it is served)
+WINDOW_CONFIGS = [((32, 8, 128), 16, torch.float32), ((32, 8, 128), 16, torch.bfloat16),
+                  ((32, 8, 128), 256, torch.bfloat16), ((8, 4, 256), 16, torch.bfloat16),
+                  ((8, 4, 256), 256, torch.bfloat16)]
+
+
+def window_checks(names: list[str], device: torch.device, quick: bool) -> None:
+    print("\n== 1b. sliding windows and soft-capping against their definition (fp64) ==", flush=True)
+    requests = QUICK_WINDOW_BATCH if quick else WINDOW_BATCH
+    for (heads, kv_heads, dim), block_size, dtype in WINDOW_CONFIGS[:2] if quick else WINDOW_CONFIGS:
+        # FlashAttention wherever in half precision, and alone on its paged path (blocks of 256)
+        users = [n for n in names if (dtype != torch.float32 if n == "flash_attn" else block_size == 16)]
+        if not users:
+            continue
+        batch = random_paged_batch(requests, heads, kv_heads, dim, block_size, dtype, device, seed=dim)
+        for label, window, cap in WINDOW_CASES:
+            tag = f"H{heads}/{kv_heads} D{dim} bs{block_size} {_dtype(dtype)} {label}"
+            guarded("windows", tag, functools.partial(_window_case, users, batch, tag, window, cap, device))
+
+
+def _window_case(names: list[str], batch: PagedBatch, tag: str, window: int | None, cap: float | None,
+                 device: torch.device) -> None:
+    """Every backend in ``names`` against one reference: fp64, token by token, so on the CPU."""
+    if cap is not None:
+        batch = dataclasses.replace(batch, q=batch.q * 8)
+    on_cpu = PagedBatch(*(t.cpu() for t in (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache)), batch.layout)
+    ref = naive_reference(on_cpu, batch.head_dim ** -0.5, window, cap).to(device)
+    for name in names:
+        backend = make_backend(name, batch, device, sliding_window=window, logits_soft_cap=cap)
+        error = (run_backend(backend, batch)[0].double() - ref).abs()
+        ok = bool((error <= TOLERANCE[batch.q.dtype] * (1 + ref.abs())).all())
+        record("windows", f"{name} {tag}", ok, f"max |err| {error.max().item():.2e}")
+
+
 # ---- 2. the engine on SmolLM2 -----------------------------------------------------------------
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers and explain why they are prime.",
-    "Explain what a KV cache is in one sentence.",
-    "Translate 'good morning' into Spanish, French and German.",
-    "What is 17 times 23?",
-]
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers and explain why they are prime.", "Explain what a KV cache is in one sentence.",
+             "Translate 'good morning' into Spanish, French and German.", "What is 17 times 23?"]
 
 
 def engine_checks(names: list[str], device: torch.device, max_tokens: int, quick: bool) -> None:
@@ -216,16 +253,11 @@ def engine_checks(names: list[str], device: torch.device, max_tokens: int, quick
     reference = {"float32": generate("sdpa", "float32", cpu), "bfloat16": generate("sdpa", "bfloat16", cpu)}
     print(f"  CPU references in {time.perf_counter() - start:.1f}s; first answer: "
           f"{_decode(model, reference['float32'][0])!r}", flush=True)
-    runs: list[tuple[str, str, dict[str, Any]]] = []
-    for name in names:
-        for dtype in ("float32", "bfloat16"):
-            if name == "flash_attn" and dtype == "float32":
-                continue
-            if quick and name != "sdpa" and dtype == "bfloat16":
-                continue
-            runs.append((name, dtype, {}))
-        if name == "flash_attn":
-            runs.append((name, "bfloat16", {"block_size": 256}))
+    # FlashAttention: no fp32, and also its paged path (blocks of 256); the dry run: bf16 on sdpa only
+    runs: list[tuple[str, str, dict[str, Any]]] = [
+        (name, dtype, {}) for name in names for dtype in ("float32", "bfloat16")
+        if not (name == "flash_attn" and dtype == "float32") and not (quick and name != "sdpa" and dtype == "bfloat16")]
+    runs += [("flash_attn", "bfloat16", {"block_size": 256})] if "flash_attn" in names else []
     for name, dtype, kwargs in runs:
         case = f"{name} {dtype}" + "".join(f" {k}={v}" for k, v in kwargs.items())
         guarded("engine", case, functools.partial(_engine_case, case, functools.partial(
@@ -264,6 +296,9 @@ PREFILL_CASES = [
     ("prefill 1x2048", [(0, 2048)]), ("prefill 4x512", [(0, 512)] * 4),
     ("extend 512 on 3584", [(3584, 512)]), ("mixed 2x512 + 64 decodes", [(0, 512)] * 2 + [(2047, 1)] * 64),
 ]
+# (label, requests, sliding window): what is outside the window should cost nothing.
+WINDOW_TIMING = [("decode B16 ctx32k window 4k", [(32767, 1)] * 16, 4096),
+                 ("extend 512 on 16k window 4k", [(16383, 512)], 4096)]
 
 
 def timing(names: list[str], device: torch.device, peak: float | None, quick: bool) -> None:
@@ -271,8 +306,9 @@ def timing(names: list[str], device: torch.device, peak: float | None, quick: bo
     scale = 64 if quick else 1  # the dry run shrinks contexts
     rows: list[str] = []
     cases = DECODE_CASES[:2] + PREFILL_CASES[:1] if quick else DECODE_CASES + PREFILL_CASES
-    for label, requests in cases:
+    for label, requests, window in [(*case, None) for case in cases] + WINDOW_TIMING:
         requests = [(c // scale, max(1, n // scale) if n > 1 else 1) for c, n in requests]
+        window = None if window is None else window // scale
         if elapsed() > BUDGET_S:
             print(f"  {label}: skipped (time budget)")
             continue
@@ -282,7 +318,7 @@ def timing(names: list[str], device: torch.device, peak: float | None, quick: bo
                 b = batch if block_size == 16 else bench_batch(requests, 32, 8, 128, block_size, torch.bfloat16,
                                                                device)
                 guarded("timing", f"{name} {label}", functools.partial(
-                    _time_case, rows, name, label, b, requests, device, peak, block_size))
+                    _time_case, rows, name, label, b, requests, device, peak, block_size, window))
         del batch
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -292,19 +328,20 @@ def timing(names: list[str], device: torch.device, peak: float | None, quick: bo
 
 
 def _time_case(rows: list[str], name: str, label: str, batch: PagedBatch, requests: list[tuple[int, int]],
-               device: torch.device, peak: float | None, block_size: int) -> None:
-    backend = make_backend(name, batch, device)
+               device: torch.device, peak: float | None, block_size: int, window: int | None) -> None:
+    backend = make_backend(name, batch, device, sliding_window=window)
     meta = backend.build_metadata(batch.layout, device)
-    k_cache, v_cache = batch.k_cache, batch.v_cache
+    k_cache, v_cache = backend.to_kv_cache_layout(batch.k_cache), backend.to_kv_cache_layout(batch.v_cache)
     seconds = time_cuda(lambda: backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, meta), device)
     item = batch.q.element_size()
-    context = sum(c + n for c, n in requests)
+    w = window or 1 << 62
+    # K and V of every context token some query sees read once; q read, out written; the new K/V written.
+    context = sum(c + n - max(0, c - w + 1) for c, n in requests)
     new = sum(n for _, n in requests)
-    # K and V of every context token read once; q read, out written; the new K/V written.
     moved = item * (2 * context * batch.num_kv_heads * batch.head_dim + 2 * new * batch.num_heads * batch.head_dim
                     + 2 * new * batch.num_kv_heads * batch.head_dim)
-    # QK^T and PV over the causal (visible) pairs only
-    pairs = sum(n * c + n * (n + 1) // 2 for c, n in requests)
+    # QK^T and PV over the visible (causal, in-window) pairs only
+    pairs = sum(min(c + i + 1, w) for c, n in requests for i in range(n))
     flops = 4 * pairs * batch.num_heads * batch.head_dim
     bandwidth = moved / seconds
     share = f"{100 * bandwidth / peak:.0f}%" if peak else "n/a"
@@ -334,28 +371,24 @@ def bench_batch(requests: list[tuple[int, int]], heads: int, kv_heads: int, dim:
         query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(new, 0).int()]),
         seq_lens=seq_lens.int(), block_table=table, slot_mapping=slots,
         max_query_len=int(new.max()), max_seq_len=int(seq_lens.max()))
-    shape = (num_blocks, block_size, kv_heads, dim)
-    tokens = int(new.sum())
-    return PagedBatch(
-        torch.randn(tokens, heads, dim, dtype=dtype, device=device),
-        torch.randn(tokens, kv_heads, dim, dtype=dtype, device=device),
-        torch.randn(tokens, kv_heads, dim, dtype=dtype, device=device),
-        torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device), layout)
+    shape, tokens = (num_blocks, block_size, kv_heads, dim), int(new.sum())
+    randn = functools.partial(torch.randn, dtype=dtype, device=device)
+    return PagedBatch(randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim),
+                      randn(shape), randn(shape), layout)
 
 
 def time_cuda(fn: Callable[[], object], device: torch.device, repeats: int = 20) -> float:
     """Median seconds of ``fn`` (CUDA events; wall clock on the CPU), after warm-up."""
     for _ in range(3):
         fn()
+    samples = []
     if device.type != "cuda":
-        samples = []
         for _ in range(2):
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
     torch.cuda.synchronize(device)
-    samples = []
     for _ in range(repeats):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
@@ -384,6 +417,7 @@ def main() -> int:
     torch.manual_seed(0)
     if "kernels" not in args.skip:
         kernel_checks(names, device, args.quick)
+        window_checks(names, device, args.quick)
     if "engine" not in args.skip:
         guarded("engine", "setup", lambda: engine_checks(names, device, args.max_tokens, args.quick))
     if "timing" not in args.skip:

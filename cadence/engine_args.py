@@ -22,6 +22,7 @@ from cadence.config import (
     resolve_dtype,
 )
 from cadence.models.loader import load_hf_config, max_model_len_of, resolve_model
+from cadence.models.registry import architectures_of, check_supported
 
 # A step's token budget when none is set (with chunked prefill), by what the engine is for, as vLLM
 # picks its defaults by usage context. Offline, throughput peaks at 2048 here (8192: -13%). A server
@@ -78,9 +79,13 @@ class EngineArgs:
     usage_context: Literal["offline", "serving"] = field(default="offline", metadata={"flag": None})
 
     def create_config(self) -> EngineConfig:
-        """Resolve the model (converting a GGUF once), then build and validate the config tree."""
-        path = resolve_model(self.model)
-        model_max_len = max_model_len_of(load_hf_config(path))
+        """Resolve the model (converting a GGUF once), refuse an architecture no installed package runs
+        (``docs/models.md``), then build and validate the config tree."""
+        path = resolve_model(self.model)  # a GGUF's architecture is checked before it is converted
+        hf_config = load_hf_config(path)
+        # Here, not in the worker: that would first start the engine core, its workers and kernels.
+        check_supported(architectures_of(hf_config), f"model {path}")
+        model_max_len = max_model_len_of(hf_config)
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum of {model_max_len}")

@@ -3,44 +3,16 @@ the engine does around it: prefix caching, chunked prefill, batching, preemption
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from support.reference import greedy, hf_greedy, hf_log_softmax, random_prompts
 
 from cadence import LLM, SamplingParams
 
 NEW_TOKENS = 16
-
-
-def hf_greedy(folder: Path | str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # the engine side runs with ignore_eos
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
-def random_prompts(seed: int, count: int, vocab: int, lengths: tuple[int, int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
-    # Shared prefixes make the prefix cache hit.
-    prompts[1] = prompts[0][:40] + prompts[1]
-    prompts[2] = prompts[0][:33] + prompts[2]
-    return prompts
-
-
-def greedy(llm: LLM, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
@@ -65,7 +37,7 @@ ENGINE_VARIANTS = {
 def test_greedy_matches_transformers(tiny: tuple[Path, list, list], variant: str) -> None:
     folder, prompts, expected = tiny
     llm = LLM(model=str(folder), dtype="float32", **ENGINE_VARIANTS[variant])
-    assert greedy(llm, prompts) == expected
+    assert greedy(llm, prompts, NEW_TOKENS) == expected
     if variant == "tiny-kv-pool":
         assert llm.engine_core.scheduler.num_preemptions > 0
     if variant == "default":
@@ -76,8 +48,8 @@ def test_alone_equals_in_a_batch_of_32(make_tiny_model: Callable[..., Path]) -> 
     folder = make_tiny_model("llama")
     prompts = random_prompts(1, 32, 320, (3, 120))
     llm = LLM(model=str(folder), dtype="float32")
-    batched = greedy(llm, prompts)
-    alone = [greedy(llm, [p])[0] for p in prompts[:6]]
+    batched = greedy(llm, prompts, NEW_TOKENS)
+    alone = [greedy(llm, [p], NEW_TOKENS)[0] for p in prompts[:6]]
     assert alone == batched[:6]
     assert all(len(t) == NEW_TOKENS for t in batched)
 
@@ -88,10 +60,7 @@ def test_logprobs_match_transformers_log_softmax(make_tiny_model: Callable[..., 
     llm = LLM(model=str(folder), dtype="float32")
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3),
                        use_tqdm=False)[0].outputs[0]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0].float()
-    reference = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    reference = hf_log_softmax(folder, prompt, out.token_ids)
     assert out.logprobs is not None and len(out.logprobs) == 8
     for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         assert entry.token_ids[0] == token
@@ -110,7 +79,7 @@ def test_engine_config_rejects_unknown_policy_with_the_installed_list(make_tiny_
 
 def test_engine_is_a_plain_object_between_runs(make_tiny_model: Callable[..., Path]) -> None:
     llm = LLM(model=str(make_tiny_model("llama")), dtype="float32")
-    greedy(llm, random_prompts(3, 4, 320, (5, 20)))
+    greedy(llm, random_prompts(3, 4, 320, (5, 20)), NEW_TOKENS)
     engine = llm.engine_core
     assert not engine.scheduler.requests
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks - 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from support.reference import hf_greedy
 
 from cadence import LLM, SamplingParams
 from cadence.models.loader import resolve_model
@@ -39,16 +39,7 @@ def prompts(llm: LLM) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(prompts: list[list[int]]) -> list[list[int]]:
     torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, pad_token_id=2)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+    return hf_greedy(resolve_model(None), prompts, NEW_TOKENS)
 
 
 def test_prompt_lengths_cover_5_to_400_tokens(prompts: list[list[int]]) -> None:

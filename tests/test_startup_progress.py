@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from gguf import GGUFWriter
 
 from cadence.backends import cpu_kernels
 from cadence.config import CacheConfig, EngineConfig, ModelConfig
@@ -44,7 +45,14 @@ def test_gguf_conversion_says_each_stage_once(make_tiny_model: Callable[..., Pat
                                               lines: Callable[[], list[str]]) -> None:
     tiny = make_tiny_model("llama")
     gguf = tmp_path / "Tiny.Q4_1.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(2 << 20))  # read only by the fakes below
+    # A llama GGUF's metadata header (read before converting, to refuse what cadence cannot run),
+    # then 2 MiB that only the fakes below stand for.
+    writer = GGUFWriter(gguf, "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with gguf.open("ab") as file:
+        file.write(bytes(2 << 20))
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path / "cache"))
     asked: list[Any] = []
     load_model = transformers.AutoModelForCausalLM.from_pretrained

@@ -97,11 +97,26 @@ class AttentionBackend(abc.ABC):
         """One-time set-up before the first step (building kernels); the worker calls it at start-up
         so that no request waits for it."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+        """One object per kind of attention layer: a model whose layers differ (Gemma's sliding and
+        global layers) builds one per kind, all sharing the step's metadata.
+
+        ``sliding_window``: a query at position ``p`` sees only the keys at positions ``p - window + 1``
+        to ``p`` (transformers' sliding-window mask); None: every key up to ``p``.
+        ``logits_soft_cap``: the scaled scores ``s`` become ``cap * tanh(s / cap)`` before the mask
+        and softmax (Gemma 2); None: left as they are.
+        """
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, not {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive, not {logits_soft_cap}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     @abc.abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object:

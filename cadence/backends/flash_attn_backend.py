@@ -10,6 +10,11 @@ multiple of 256; with smaller blocks (cadence's default is 16) this backend gath
 contexts into contiguous K/V first, which costs one extra copy of the context per layer. Serve
 with ``--block-size 256`` to use the zero-copy paged path.
 
+A sliding window is FlashAttention's ``window_size=(window - 1, 0)`` (a query at position ``p``
+sees ``p - (window - 1)`` to ``p``), the logit soft-cap its ``softcap``. On the gather path a
+windowed layer gathers only the keys some query of its request can see: the tail of each context
+(cached per window in the step's metadata, since layers of one step may have different windows).
+
 Installed as the ``cadence[flash]`` extra; flash-attn compiles against the installed CUDA torch.
 """
 
@@ -35,6 +40,16 @@ def _varlen_func() -> Callable[..., torch.Tensor]:
 
 
 @dataclass(frozen=True)
+class GatheredContexts:
+    """The gather path's keys for one window: each request's context, or the part of it its
+    queries can see, packed request-major."""
+
+    slots: torch.Tensor  # [sum(lengths)] int64: cache slots to gather
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
 class FlashAttnMetadata:
     """One step's attention metadata on the device, shared by every layer."""
 
@@ -44,18 +59,38 @@ class FlashAttnMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_table: torch.Tensor  # [B, max_blocks] int32
-    # Each context position's request and position, request-major: the gather path's slots.
-    context_requests: torch.Tensor  # [sum(seq_lens)] int64
-    context_positions: torch.Tensor  # [sum(seq_lens)] int64
-    _slots: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # On the host, so that the gather path sizes its contexts without waiting for the device.
+    host_seq_lens: torch.Tensor  # [B] int64
+    host_query_lens: torch.Tensor  # [B] int64
+    _gathered: dict[tuple[int, int | None], GatheredContexts] = field(default_factory=dict, compare=False,
+                                                                     repr=False)
 
-    def context_slots(self, block_size: int) -> torch.Tensor:
-        """Cache slots of every request's context, request-major; computed by the first layer."""
-        slots = self._slots.get(block_size)
-        if slots is None:
-            blocks = self.block_table[self.context_requests, self.context_positions // block_size].long()
-            slots = self._slots[block_size] = blocks * block_size + self.context_positions % block_size
-        return slots
+    def gathered(self, block_size: int, window: int | None) -> GatheredContexts:
+        """What a layer with this ``window`` gathers; computed by the first such layer of the step."""
+        key = (block_size, window)
+        if key not in self._gathered:
+            self._gathered[key] = self._gather_plan(block_size, window)
+        return self._gathered[key]
+
+    def _gather_plan(self, block_size: int, window: int | None) -> GatheredContexts:
+        seq_lens = self.host_seq_lens
+        lengths = seq_lens
+        if window is not None:
+            # Keys before the first query's window are seen by none of the request's queries. Both
+            # of FlashAttention's masks are aligned to the context's end, so leaving out keys at
+            # its front changes nothing else.
+            lengths = torch.minimum(seq_lens, self.host_query_lens + window - 1)
+        cu_seqlens_k = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        total, device = int(cu_seqlens_k[-1]), self.block_table.device
+        requests = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths.to(device),
+                                           output_size=total)
+        # Entry i of request r is position i - cu[r] + (seq_len - length)[r] of its context.
+        shift = (seq_lens - lengths - cu_seqlens_k[:-1]).to(device)
+        positions = torch.arange(total, device=device) + shift[requests]
+        blocks = self.block_table[requests, positions // block_size].long()
+        return GatheredContexts(slots=blocks * block_size + positions % block_size,
+                                cu_seqlens_k=cu_seqlens_k.to(device=device, dtype=torch.int32),
+                                max_seqlen_k=int(lengths.max()))
 
 
 class FlashAttnBackend(AttentionBackend):
@@ -63,8 +98,10 @@ class FlashAttnBackend(AttentionBackend):
 
     name: ClassVar[str] = "flash_attn"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window,
+                         logits_soft_cap=logits_soft_cap)
         self._varlen: Callable[..., Any] = _varlen_func()
 
     @classmethod
@@ -99,8 +136,7 @@ class FlashAttnBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> FlashAttnMetadata:
         seq_lens = layout.seq_lens.long()
         cu_seqlens_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)])
-        context_requests = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), seq_lens)
-        context_positions = torch.arange(int(cu_seqlens_k[-1])) - cu_seqlens_k[context_requests]
+        query_start = layout.query_start_loc.long()
         return FlashAttnMetadata(
             slot_mapping=layout.slot_mapping.to(device=device, dtype=torch.int64),
             cu_seqlens_q=layout.query_start_loc.to(device=device, dtype=torch.int32),
@@ -108,8 +144,8 @@ class FlashAttnBackend(AttentionBackend):
             max_seqlen_q=layout.max_query_len,
             max_seqlen_k=layout.max_seq_len,
             block_table=layout.block_table.to(device=device, dtype=torch.int32),
-            context_requests=context_requests.to(device),
-            context_positions=context_positions.to(device),
+            host_seq_lens=seq_lens,
+            host_query_lens=query_start[1:] - query_start[:-1],
         )
 
     def forward(
@@ -124,12 +160,20 @@ class FlashAttnBackend(AttentionBackend):
         meta = cast(FlashAttnMetadata, metadata)
         block_size = k_cache.shape[1]
         flat_k, flat_v = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if block_size % PAGED_BLOCK_MULTIPLE == 0:
+        if block_size % PAGED_BLOCK_MULTIPLE == 0:  # FlashAttention skips the blocks outside the window
             keys, values, block_table = k_cache, v_cache, meta.block_table
+            cu_seqlens_k, max_seqlen_k = meta.cu_seqlens_k, meta.max_seqlen_k
         else:
-            slots = meta.context_slots(block_size)
-            keys, values, block_table = flat_k.index_select(0, slots), flat_v.index_select(0, slots), None
+            gathered = meta.gathered(block_size, self.sliding_window)
+            keys, values = flat_k.index_select(0, gathered.slots), flat_v.index_select(0, gathered.slots)
+            block_table, cu_seqlens_k, max_seqlen_k = None, gathered.cu_seqlens_k, gathered.max_seqlen_k
         return cast(torch.Tensor, self._varlen(
-            q, keys, values, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-            softmax_scale=self.scale, causal=True, block_table=block_table,
+            q, keys, values, meta.cu_seqlens_q, cu_seqlens_k, meta.max_seqlen_q, max_seqlen_k,
+            softmax_scale=self.scale, causal=True, window_size=self._window_size(),
+            softcap=self.logits_soft_cap or 0.0, block_table=block_table,
         ))
+
+    def _window_size(self) -> tuple[int, int]:
+        """FlashAttention's ``(left, right)``: a query at ``p`` sees ``p - left`` to ``p + right``, and
+        ``-1`` is unbounded; the contract's ``p - window + 1`` to ``p`` is ``(window - 1, 0)``."""
+        return (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)

@@ -9,7 +9,10 @@ batch-64 decode step against 31 ms for the torch path, 57 ms per 2,048-token pre
 (query length 1) of the batch runs at once as two batched matmuls over keys gathered block by
 block, and each prefill (query length > 1) in its own ``scaled_dot_product_attention`` call.
 Everything that does not change between layers (which requests decode, masks, cache blocks to
-gather) is worked out once per step.
+gather) is worked out once per step, and once per sliding window where layers differ in theirs.
+A sliding window and soft-capped scores (:class:`~cadence.backends.base.AttentionBackend`) are
+arguments of the C++ kernel; in torch ops the window is part of each mask, and soft-capping
+computes the prefill's scores explicitly (SDPA cannot cap them).
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ class _Prefill:
     # before this step, so plain causal attention over the step's own k/v is exact.
     mask: torch.Tensor | None
 
+    def window_mask(self, window: int, device: torch.device) -> torch.Tensor:
+        """``[q_len, seq_len]`` bool: the keys each query sees within a sliding ``window``."""
+        query_len = self.tokens.stop - self.tokens.start
+        query_pos = torch.arange(self.seq_len - query_len, self.seq_len, device=device)[:, None]
+        keys = torch.arange(self.seq_len, device=device)[None, :]
+        return (keys <= query_pos) & (keys > query_pos - window)
+
 
 @dataclass(frozen=True)
 class _Gather:
@@ -61,6 +71,7 @@ class SDPAMetadata:
     token_requests: torch.Tensor  # [T] int64: each query token's row of the block table
     token_seq_lens: torch.Tensor  # [T] int64: each query token's position + 1 (the keys it sees)
     _gather: dict[int, _Gather] = field(default_factory=dict, compare=False, repr=False)
+    _windowed: dict[tuple[int, int], _Gather] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_decodes(self) -> int:
@@ -71,6 +82,21 @@ class SDPAMetadata:
         cached = self._gather.get(block_size)
         if cached is None:
             cached = self._gather[block_size] = self._compute_gather(block_size)
+        return cached
+
+    def gather_window(self, block_size: int, window: int | None) -> _Gather:
+        """:meth:`gather` for layers with a sliding window: the decode bias also hides the keys before
+        each decode's window (prefills take :meth:`_Prefill.window_mask`)."""
+        if window is None:
+            return self.gather(block_size)
+        cached = self._windowed.get((block_size, window))
+        if cached is None:
+            plain = self.gather(block_size)
+            bias = None
+            if self.num_decodes:
+                width = -(-self.decode_seq_len // block_size) * block_size
+                bias = _padding_bias(self.decode_seq_lens, width, window)
+            cached = self._windowed[(block_size, window)] = _Gather(plain.decode_blocks, bias, plain.prefill)
         return cached
 
     def _compute_gather(self, block_size: int) -> _Gather:
@@ -86,13 +112,17 @@ class SDPAMetadata:
         return _Gather(blocks, bias, prefill)
 
 
-def _padding_bias(seq_lens: torch.Tensor, width: int) -> torch.Tensor | None:
-    """Additive mask hiding key positions at or past each sequence's length; None when none are."""
-    if bool((seq_lens == width).all()):
+def _padding_bias(seq_lens: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor | None:
+    """Additive mask hiding key positions at or past each sequence's length, and before its last
+    ``window`` keys; None when none are hidden."""
+    keys = torch.arange(width, device=seq_lens.device)[None, :]
+    hidden = keys >= seq_lens[:, None]
+    if window is not None:
+        hidden |= keys < seq_lens[:, None] - window
+    if not bool(hidden.any()):
         return None
-    padding = torch.arange(width, device=seq_lens.device)[None, :] >= seq_lens[:, None]
-    bias = torch.zeros(padding.shape, dtype=torch.float32, device=seq_lens.device)
-    return bias.masked_fill_(padding, float("-inf"))[None, :, None, :]
+    bias = torch.zeros(hidden.shape, dtype=torch.float32, device=seq_lens.device)
+    return bias.masked_fill_(hidden, float("-inf"))[None, :, None, :]
 
 
 def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -161,13 +191,13 @@ class SDPABackend(AttentionBackend):
             ops.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             out = q.new_empty(q.shape)
             ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.token_requests, meta.token_seq_lens,
-                                self.scale)
+                                self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0)
             return out
         num_kv_heads, _, block_size, head_dim = k_cache.shape
         flat_k, flat_v = k_cache.view(num_kv_heads, -1, head_dim), v_cache.view(num_kv_heads, -1, head_dim)
         flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        gather = meta.gather(block_size)
+        gather = meta.gather_window(block_size, self.sliding_window)
         out = torch.empty_like(q)
         if gather.decode_blocks is not None:
             rows = meta.decode_tokens
@@ -177,7 +207,8 @@ class SDPABackend(AttentionBackend):
                 keys, values = k[prefill.tokens].transpose(0, 1), v[prefill.tokens].transpose(0, 1)
             else:
                 keys, values = flat_k.index_select(1, context), flat_v.index_select(1, context)
-            out[prefill.tokens] = self._prefill(q[prefill.tokens], keys, values, prefill.mask)
+            mask = prefill.mask if self.sliding_window is None else prefill.window_mask(self.sliding_window, q.device)
+            out[prefill.tokens] = self._prefill(q[prefill.tokens], keys, values, mask)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
@@ -191,21 +222,41 @@ class SDPABackend(AttentionBackend):
         keys = k_cache.view(num_kv_heads, num_blocks, -1).index_select(1, blocks).view(shape)
         values = v_cache.view(num_kv_heads, num_blocks, -1).index_select(1, blocks).view(shape)
         grouped = q.view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float().mul_(self.scale)
+        scores = self._cap(torch.matmul(grouped, keys.transpose(-1, -2)).float().mul_(self.scale))
         if bias is not None:
             scores += bias
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.matmul(probs, values)
         return out.transpose(0, 1).reshape(num_decodes, self.num_heads, head_dim)
 
+    def _cap(self, scores: torch.Tensor) -> torch.Tensor:
+        """Soft-capped scores (in place), or the scores as they are without a cap."""
+        if self.logits_soft_cap is None:
+            return scores
+        return scores.div_(self.logits_soft_cap).tanh_().mul_(self.logits_soft_cap)
+
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
+        if self.logits_soft_cap is not None:
+            return self._capped_prefill(q, keys, values, mask)
         # [1, H, L, D] against [1, Hkv, S, D]; without a mask L == S and causal is top-left aligned
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
             is_causal=mask is None, scale=self.scale, enable_gqa=True,
         )
         return out.squeeze(0).transpose(0, 1)
+
+    def _capped_prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        mask: torch.Tensor | None) -> torch.Tensor:
+        # q [L, H, D] against keys/values [Hkv, S, D]: the scores spelled out, since SDPA cannot cap them.
+        query_len, seq_len = q.shape[0], keys.shape[1]
+        if mask is None:  # nothing cached before the step: causal over the step's own keys
+            mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril_()
+        grouped = q.transpose(0, 1).reshape(self.num_kv_heads, -1, query_len, self.head_dim)  # [Hkv, G, L, D]
+        scores = self._cap(torch.matmul(grouped, keys.unsqueeze(1).transpose(-1, -2)).float().mul_(self.scale))
+        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values.unsqueeze(1))  # [Hkv, G, L, D]
+        return out.reshape(self.num_heads, query_len, self.head_dim).transpose(0, 1)
 
 
 def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

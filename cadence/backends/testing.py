@@ -113,3 +113,32 @@ def sdpa_reference(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch
     wide = batch.to(torch.float32)
     backend = SDPABackend(batch.num_heads, batch.num_kv_heads, batch.head_dim, batch.head_dim ** -0.5)
     return tuple(t.to(batch.q.dtype) for t in run_backend(backend, wide))  # type: ignore[return-value]
+
+
+def naive_reference(batch: PagedBatch, scale: float, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Attention output ``[T, num_heads, head_dim]`` computed one query token at a time in fp64 from
+    the canonical caches with the step's K/V written in, by the definition in
+    :class:`~cadence.backends.base.AttentionBackend`: no kernel, no shared code with any backend."""
+    layout, group = batch.layout, batch.num_heads // batch.num_kv_heads
+    block_size = batch.k_cache.shape[1]
+    k_cache, v_cache = batch.k_cache.double().clone(), batch.v_cache.double().clone()
+    flat_k = k_cache.view(-1, batch.num_kv_heads, batch.head_dim)
+    flat_v = v_cache.view(-1, batch.num_kv_heads, batch.head_dim)
+    flat_k[layout.slot_mapping] = batch.k.double()
+    flat_v[layout.slot_mapping] = batch.v.double()
+    out = torch.empty(batch.q.shape, dtype=torch.float64)
+    starts, seq_lens = layout.query_start_loc.tolist(), layout.seq_lens.tolist()
+    for request, seq_len in enumerate(seq_lens):
+        table = layout.block_table[request].tolist()
+        for token in range(starts[request], starts[request + 1]):
+            position = seq_len - (starts[request + 1] - token)
+            first = 0 if sliding_window is None else max(0, position - sliding_window + 1)
+            slots = [table[p // block_size] * block_size + p % block_size for p in range(first, position + 1)]
+            keys, values = flat_k[slots], flat_v[slots]  # [S, Hkv, D]
+            for head in range(batch.num_heads):
+                scores = keys[:, head // group] @ batch.q[token, head].double() * scale
+                if logits_soft_cap is not None:
+                    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+                out[token, head] = torch.softmax(scores, dim=0) @ values[:, head // group]
+    return out

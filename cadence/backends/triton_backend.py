@@ -3,7 +3,10 @@
 The GPU backend that needs nothing beyond triton (which CUDA builds of torch already bring). Each
 layer writes the step's K/V into the cache with one kernel, then runs the decodes (query length 1)
 through the split-K decode kernel and the prefills (query length > 1, with or without a cached
-prefix) through the causal prefill kernel; both read the whole context from the paged cache.
+prefix) through the causal prefill kernel; both read the whole context from the paged cache, or
+with a sliding window only the part of it some query of theirs can see. Window and logit soft-cap
+are the kernels' compile-time constants: a model with sliding and global layers (Gemma) runs two
+compiled variants of each kernel, and a model with neither runs them compiled exactly as before.
 
 On the CPU the kernels run only in Triton's interpreter, which must be switched on with
 ``TRITON_INTERPRET=1`` before cadence first imports them: it is 10³–10⁴× slower than torch and
@@ -44,8 +47,8 @@ class _Decodes:
     rows: torch.Tensor  # [Bd] int32: each one's row in q/out
     seq_lens: torch.Tensor  # [Bd] int32
     block_table: torch.Tensor  # [Bd, max_blocks] int32
-    num_splits: int  # context partitions per request (split-K)
-    partition_tokens: int
+    # The split-K partitions depend on each layer's window, so forward derives them from this.
+    max_seq_len: int
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,10 @@ class TritonBackend(AttentionBackend):
 
     name: ClassVar[str] = "triton"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window=sliding_window,
+                         logits_soft_cap=logits_soft_cap)
         kernels = _kernels()
         self.interpreted: bool = kernels.INTERPRETED
         tile = _INTERPRETER_TILE if self.interpreted else None
@@ -126,15 +131,11 @@ class TritonBackend(AttentionBackend):
         decodes = None
         if decode_ids.numel():
             decode_seq_lens = seq_lens[decode_ids]
-            num_splits, partition_tokens = _kernels().num_decode_splits(
-                int(decode_seq_lens.max()), decode_ids.numel() * self.num_kv_heads, _target_programs(device),
-                self.partition_tokens, self.decode_block_n)
             decodes = _Decodes(
                 rows=_to(query_start[decode_ids], device),
                 seq_lens=_to(decode_seq_lens, device),
                 block_table=_to(block_table[decode_ids], device),
-                num_splits=num_splits,
-                partition_tokens=partition_tokens,
+                max_seq_len=int(decode_seq_lens.max()),
             )
         prefills = None
         if prefill_ids.numel():
@@ -164,14 +165,29 @@ class TritonBackend(AttentionBackend):
         out = torch.empty_like(q)
         # fp32 caches keep fp32 dots (IEEE, not TF32); the interpreter cannot do arithmetic on bf16.
         upcast = self.interpreted or k_cache.dtype == torch.float32
+        window, cap = self.sliding_window, self.logits_soft_cap
         if (d := meta.decodes) is not None:
+            num_splits, partition_tokens = self.decode_splits(d, q.device)
             kernels.paged_decode_attention(out, q, k_cache, v_cache, d.rows, d.seq_lens, d.block_table, self.scale,
-                                           d.num_splits, d.partition_tokens, upcast, block_n=self.decode_block_n)
+                                           num_splits, partition_tokens, upcast, block_n=self.decode_block_n,
+                                           sliding_window=window, logits_soft_cap=cap)
         if (p := meta.prefills) is not None:
             kernels.paged_prefill_attention(out, q, k_cache, v_cache, p.query_start, p.query_lens, p.seq_lens,
                                             p.block_table, p.max_query_len, self.scale, upcast,
-                                            block_m=self.prefill_block_m, block_n=self.prefill_block_n)
+                                            block_m=self.prefill_block_m, block_n=self.prefill_block_n,
+                                            sliding_window=window, logits_soft_cap=cap)
         return out
+
+    def decode_splits(self, decodes: _Decodes, device: torch.device) -> tuple[int, int]:
+        """``(num_splits, partition_tokens)`` for this layer's decodes: the partitions tile what the
+        longest context's query sees (its window, where the layer has one). Worked out per layer, from
+        integers, because the layer that built the metadata may have another window."""
+        span = decodes.max_seq_len
+        if self.sliding_window is not None:
+            span = min(span, self.sliding_window)
+        num_programs = decodes.rows.shape[0] * self.num_kv_heads
+        return cast(tuple[int, int], _kernels().num_decode_splits(
+            span, num_programs, _target_programs(device), self.partition_tokens, self.decode_block_n))
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2; Qwen3 adds q/k norms, :mod:`cadence.models.qwen3`)
+over the paged KV cache.
 
 Numerics follow Hugging Face transformers op for op (RMSNorm in fp32 then cast back, RoPE tables
 computed in fp32 then cast, SDPA scale ``head_dim ** -0.5``) so that greedy decoding matches it
@@ -33,7 +34,7 @@ from cadence.distributed.layers import (
     load_parameter,
 )
 from cadence.distributed.partition import even_split, head_shard
-from cadence.models.layers import RMSNorm, RotaryEmbedding, StepRope, head_dim_of, kernels
+from cadence.models.layers import RMSNorm, RotaryEmbedding, StepRope, head_dim_of, kernels, layer_windows
 from cadence.models.registry import CausalLM
 
 # Checkpoint projection -> (our fused projection, shard index within it).
@@ -50,7 +51,8 @@ class Attention(nn.Module):
     """This rank's attention heads (all of them at world size 1)."""
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool, o_bias: bool,
-                 group: ParallelGroup, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device | str) -> None:
+                 group: ParallelGroup, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device | str,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         heads = head_shard(config.num_attention_heads, config.num_key_value_heads, group.rank, group.world_size)
         self.num_heads = heads.q.size
@@ -62,10 +64,17 @@ class Attention(nn.Module):
         self.backend = backend
         # Shared by every layer, not a submodule of each (its tables would be counted 30 times).
         self._rotary = (rotary,)
+        # Qwen3: RMSNorm over each q and k head before RoPE (one weight of head_dim, every rank all of it).
+        self._qk_norm: tuple[nn.Module, nn.Module] | None = None
+        if qk_norm:
+            self.q_norm: nn.Module = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, rotary.fused)
+            self.k_norm: nn.Module = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, rotary.fused)
+            self._qk_norm = (self.q_norm, self.k_norm)
 
     def forward(self, x: torch.Tensor, rope: StepRope, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: object) -> torch.Tensor:
-        q, k, v = self._rotary[0].rotate(self.qkv_proj(x), rope, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = self._rotary[0].rotate(self.qkv_proj(x), rope, self.num_heads, self.num_kv_heads, self.head_dim,
+                                         self._qk_norm)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -74,15 +83,16 @@ class MLP(nn.Module):
     """This rank's columns of the intermediate layer (all of them at world size 1)."""
 
     def __init__(self, config: PretrainedConfig, group: ParallelGroup, dtype: torch.dtype,
-                 device: torch.device | str, fused: bool) -> None:
+                 device: torch.device | str, fused: bool, hidden_act: str | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
+        act = hidden_act or config.hidden_act  # Gemma names it hidden_activation
         columns = even_split(config.intermediate_size, group.rank, group.world_size)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [columns, columns], bias, dtype, device)
         self.down_proj = RowParallelLinear(columns, config.hidden_size, bias, group, dtype, device)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = ACT2FN[act]
         # SiLU and the multiply as one C++ kernel (backends/csrc/layer_ops.cpp)
-        self.fused = fused and config.hidden_act == "silu"
+        self.fused = fused and act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -99,7 +109,7 @@ class DecoderLayer(nn.Module):
     norm after it: a layer takes the previous layer's MLP output and the residual stream (None at
     the first layer) and returns its own pair."""
 
-    def __init__(self, config: PretrainedConfig, attention: Attention, mlp: MLP, dtype: torch.dtype,
+    def __init__(self, config: PretrainedConfig, attention: Attention, mlp: nn.Module, dtype: torch.dtype,
                  device: torch.device | str, fused: bool) -> None:
         super().__init__()
         self.self_attn = attention
@@ -132,15 +142,16 @@ class LlamaForCausalLM(CausalLM):
     """A decoder-only Llama-family model that reads and writes K/V through an attention backend.
 
     Parameter names are Hugging Face's, except the fused ``qkv_proj`` and ``gate_up_proj``;
-    :meth:`load_weights` takes Hugging Face names. Parameters are uninitialised until then. Models
-    with a sliding window (see :func:`~cadence.models.layers.sliding_window_of`) are exact only up
-    to that many tokens: the backends attend over the whole context, so cap ``max_model_len`` at
-    the window. ``group`` says which tensor-parallel shard this instance holds; head counts are
-    this rank's.
+    :meth:`load_weights` takes Hugging Face names. Parameters are uninitialised until then. A layer
+    with a sliding window (Mistral, Qwen2 with ``use_sliding_window``: see
+    :func:`~cadence.models.layers.layer_windows`) calls a backend object built with it.
+    ``group`` says which tensor-parallel shard this instance holds; head counts are this rank's.
     """
 
     # (bias on q/k/v, bias on o); Llama reads both from config.attention_bias.
     fixed_biases: ClassVar[tuple[bool, bool] | None] = None
+    # Per-head RMSNorm of q and k between the projection and RoPE (q_norm, k_norm: Qwen3).
+    qk_norm: ClassVar[bool] = False
 
     def __init__(self, hf_config: PretrainedConfig, backend_cls: type[AttentionBackend], dtype: torch.dtype,
                  device: torch.device | str = "cpu", group: ParallelGroup = SINGLE_RANK) -> None:
@@ -148,27 +159,30 @@ class LlamaForCausalLM(CausalLM):
         self.config = hf_config
         self.dtype = dtype
         self.head_dim = head_dim_of(hf_config)
-        heads = head_shard(hf_config.num_attention_heads, hf_config.num_key_value_heads, group.rank,
-                           group.world_size)
-        self.num_kv_heads = heads.kv.size
         self.num_layers = hf_config.num_hidden_layers
-        # Layers differ only in weights, so they share one backend object.
-        self.attn_backend = backend_cls(heads.q.size, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.num_kv_heads, backends = layer_backends(hf_config, backend_cls, group, self.head_dim ** -0.5)
+        self.attn_backend = backends[0]
         qkv_bias, o_bias = self._biases(hf_config)
         # The per-token ops run as C++ kernels where they can (see backends/cpu_kernels.py).
         fused = runs_kernels(torch.device(device), dtype)
         self.rotary_emb = RotaryEmbedding(hf_config, dtype, device, fused)
         layers = [
-            DecoderLayer(hf_config, Attention(hf_config, self.attn_backend, qkv_bias, o_bias, group, self.rotary_emb,
-                                              dtype, device),
-                         MLP(hf_config, group, dtype, device, fused), dtype, device, fused)
-            for _ in range(self.num_layers)
+            DecoderLayer(hf_config, Attention(hf_config, backends[layer], qkv_bias, o_bias, group,
+                                              self.rotary_emb, dtype, device, self.qk_norm),
+                         self._mlp(layer, group, dtype, device, fused), dtype, device, fused)
+            for layer in range(self.num_layers)
         ]
         self.model = LlamaModel(hf_config, layers, group, dtype, device, fused)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, group, dtype, device,
                                                   lookups=False)
+
+    def _mlp(self, layer: int, group: ParallelGroup, dtype: torch.dtype, device: torch.device | str,
+             fused: bool) -> nn.Module:
+        """Layer ``layer``'s feed-forward block, ``[T, hidden] -> [T, hidden]`` (all-reduced): the dense
+        MLP here; a family may return another module for some layers (a mixture of experts)."""
+        return MLP(self.config, group, dtype, device, fused)
 
     @classmethod
     def _biases(cls, config: PretrainedConfig) -> tuple[bool, bool]:
@@ -215,34 +229,61 @@ class LlamaForCausalLM(CausalLM):
         :raises ValueError: a name this model does not have, a shape that does not match, or a
             parameter the weights never provided.
         """
-        modules = dict(self.named_modules())
-        expected = self._expected_shards()
-        loaded: set[tuple[str, int]] = set()
-        for hf_name, tensor in weights:
-            if "rotary_emb." in hf_name or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
-                continue
-            name, shard = _our_name(hf_name)
-            if (name, shard) not in expected:
-                raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
-            module_name, _, param_name = name.rpartition(".")
-            try:
-                load_parameter(modules[module_name], param_name, tensor, shard)
-            except ValueError as exc:
-                raise ValueError(f"{hf_name}: {exc}") from None
-            loaded.add((name, shard))
-        missing = sorted(f"{name}[{shard}]" for name, shard in expected - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        load_checkpoint(self, weights, self.tie_word_embeddings)
 
     def _expected_shards(self) -> set[tuple[str, int]]:
-        """(parameter, shard) for every checkpoint tensor the model needs: a fused layer needs several."""
-        modules = dict(self.named_modules())
-        expected: set[tuple[str, int]] = set()
-        for name, _ in self.named_parameters():
-            module = modules[name.rpartition(".")[0]]
-            shards = module.num_shards if isinstance(module, ShardedLayer) else 1
-            expected.update((name, shard) for shard in range(shards))
-        return expected
+        return expected_shards(self)
+
+
+def layer_backends(config: PretrainedConfig, backend_cls: type[AttentionBackend], group: ParallelGroup, scale: float,
+                   logits_soft_cap: float | None = None) -> tuple[int, list[AttentionBackend]]:
+    """This rank's KV head count, and each layer's attention backend object: one per sliding window
+    (:func:`~cadence.models.layers.layer_windows`), shared by the layers that have it."""
+    heads = head_shard(config.num_attention_heads, config.num_key_value_heads, group.rank, group.world_size)
+    windows = layer_windows(config)
+    head_dim = head_dim_of(config)
+    backends = {window: backend_cls(heads.q.size, heads.kv.size, head_dim, scale, sliding_window=window,
+                                    logits_soft_cap=logits_soft_cap) for window in windows}
+    return heads.kv.size, [backends[window] for window in windows]
+
+
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]], tied: bool) -> None:
+    """Load Hugging Face-named tensors into ``model``, whose parameters bear the same names except
+    Llama's fused projections (``qkv_proj``, ``gate_up_proj``), each tensor into this rank's shard;
+    ``tied``: skip a checkpoint's ``lm_head.weight`` (the embedding serves as the head).
+
+    :raises ValueError: a name the model does not have, a shape that does not match, or a
+        parameter the weights never provided.
+    """
+    modules = dict(model.named_modules())
+    expected = expected_shards(model)
+    loaded: set[tuple[str, int]] = set()
+    for hf_name, tensor in weights:
+        if "rotary_emb." in hf_name or (tied and hf_name == "lm_head.weight"):
+            continue
+        name, shard = _our_name(hf_name)
+        if (name, shard) not in expected:
+            raise ValueError(f"unexpected weight {hf_name!r} for {type(model).__name__}")
+        module_name, _, param_name = name.rpartition(".")
+        try:
+            load_parameter(modules[module_name], param_name, tensor, shard)
+        except ValueError as exc:
+            raise ValueError(f"{hf_name}: {exc}") from None
+        loaded.add((name, shard))
+    missing = sorted(f"{name}[{shard}]" for name, shard in expected - loaded)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def expected_shards(model: nn.Module) -> set[tuple[str, int]]:
+    """(parameter, shard) for every checkpoint tensor ``model`` needs: a fused layer needs several."""
+    modules = dict(model.named_modules())
+    expected: set[tuple[str, int]] = set()
+    for name, _ in model.named_parameters():
+        module = modules[name.rpartition(".")[0]]
+        shards = module.num_shards if isinstance(module, ShardedLayer) else 1
+        expected.update((name, shard) for shard in range(shards))
+    return expected
 
 
 def _our_name(hf_name: str) -> tuple[str, int]:

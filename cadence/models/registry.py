@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from cadence.backends.base import AttentionBackend
+from cadence.config import ConfigError
 from cadence.distributed.layers import CheckpointTensor
 
 GROUP = "cadence.models"
@@ -78,7 +79,10 @@ def architectures_of(hf_config: PretrainedConfig) -> list[str]:
 def check_supported(architectures: list[str], what: str) -> str:
     """The first of ``architectures`` that an installed package runs.
 
-    :raises ValueError: naming ``what`` (the checkpoint) and its architectures, the ones installed,
+    Called where a model is chosen (``EngineArgs.create_config``, and for a GGUF file before it is
+    converted), so that nothing is converted, spawned or loaded for a model cadence cannot run.
+
+    :raises ConfigError: naming ``what`` (the checkpoint) and its architectures, the ones installed,
         and how to add one.
     """
     installed = installed_architectures()
@@ -86,15 +90,15 @@ def check_supported(architectures: list[str], what: str) -> str:
         if name in installed:
             return name
     named = ", ".join(architectures) or "no architecture"
-    raise ValueError(f"{what} is {named}, which cadence does not run; installed architectures: "
-                     f"{', '.join(sorted(installed))}. A package can add one: see docs/models.md "
-                     f"(a model class in the {GROUP!r} entry-point group)")
+    raise ConfigError(f"{what} is {named}, which cadence does not run; installed architectures: "
+                      f"{', '.join(sorted(installed))}. A package can add one: see docs/models.md "
+                      f"(a model class in the {GROUP!r} entry-point group)")
 
 
 def model_class_for(hf_config: PretrainedConfig) -> type[CausalLM]:
     """The class registered for the config's architecture.
 
-    :raises ValueError: the architecture is not one an installed package runs.
+    :raises ConfigError: the architecture is not one an installed package runs.
     """
     name = check_supported(architectures_of(hf_config), "the model's architecture")
     cls: type[CausalLM] = installed_architectures()[name].load()

@@ -4,10 +4,12 @@ against ``sdpa`` on a GPU (marked ``gpu``, skipped without CUDA and flash-attn).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ import torch
 from cadence import LLM
 from cadence.backends.flash_attn_backend import FlashAttnBackend
 from cadence.backends.registry import load_backend
-from cadence.backends.testing import PagedBatch, random_paged_batch, run_backend, sdpa_reference
+from cadence.backends.testing import PagedBatch, naive_reference, random_paged_batch, run_backend, sdpa_reference
 
 CPU = torch.device("cpu")
 _REQUESTS = [(0, 7), (19, 1), (300, 5), (40, 1), (3, 12)]  # fresh, decodes, prefills over prefixes
@@ -49,9 +51,13 @@ def _varlen_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                      deterministic=False, return_attn_probs=False, block_table=None):
     """``flash_attn_varlen_func`` as its docstring (2.7/2.8) specifies it, in fp32 torch, with the
-    preconditions its C++ checks: half-precision inputs, int32 offsets, paged blocks of 256n."""
+    preconditions its C++ checks: half-precision inputs, int32 offsets, paged blocks of 256n.
+    ``window_size=(left, right)``: query i sees keys i + k_len - q_len - left to ... + right (-1: no
+    bound); ``softcap`` > 0: scores ``softcap * tanh(scores * softmax_scale / softcap)``."""
     assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and causal and dropout_p == 0.0
+    left, right = window_size
+    assert left >= -1 and right in (-1, 0) and softcap >= 0.0  # causal: nothing to the right
     if block_table is not None:
         assert block_table.dtype == torch.int32 and k.shape[1] % 256 == 0
     group = q.shape[1] // k.shape[-2]
@@ -67,8 +73,14 @@ def _varlen_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             keys, values = k[blocks, pos % k.shape[1]], v[blocks, pos % k.shape[1]]
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), keys.float().repeat_interleave(group, 1))
         # causal, aligned to the bottom right: query i sees keys up to (k1 - k0) - (q1 - q0) + i
-        visible = torch.arange(k1 - k0)[None, :] <= torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
-        probs = (scores * softmax_scale).masked_fill(~visible, float("-inf")).softmax(-1)
+        aligned = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+        visible = torch.arange(k1 - k0)[None, :] <= aligned
+        if left >= 0:
+            visible &= torch.arange(k1 - k0)[None, :] >= aligned - left
+        scores = scores * softmax_scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, values.float().repeat_interleave(group, 1)).to(q.dtype)
     return out
 
@@ -88,6 +100,61 @@ def _check_against_sdpa(batch: PagedBatch) -> None:
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     # FlashAttention rounds the probabilities to bf16 before P @ V: a few ulps, not one.
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+
+
+def _install_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The stand-in as ``flash_attn``; returns the calls it gets: keyword arguments, ``keys`` (the
+    number of key rows handed to it: the gathered contexts, or the paged cache) and ``max_seqlen_k``."""
+    calls: list[dict[str, Any]] = []
+
+    def varlen(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append({"keys": args[1].shape[0], "max_seqlen_k": args[6], **kwargs})
+        return _varlen_contract(*args, **kwargs)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    return calls
+
+
+def _check_against_definition(backend: FlashAttnBackend, batch: PagedBatch, metadata: object = None) -> None:
+    """``backend`` on ``batch`` (with ``metadata`` built by another layer's backend, if given)."""
+    if metadata is None:
+        out = run_backend(backend, batch)[0]
+    else:
+        out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache.clone(), batch.v_cache.clone(), metadata)
+    ref = naive_reference(batch, backend.scale, backend.sliding_window, backend.logits_soft_cap)
+    torch.testing.assert_close(out, ref.to(out.dtype), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [16, 256], ids=["gathered", "paged"])
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (24, None), (1, None), (4000, None), (None, 1.5),
+                                             (24, 1.5)])
+def test_window_and_soft_cap_reach_flash_attention(monkeypatch: pytest.MonkeyPatch, block_size: int,
+                                                   window: int | None, cap: float | None) -> None:
+    """The contract's window ``p - window + 1 .. p`` is FlashAttention's ``(window - 1, 0)``."""
+    calls = _install_stand_in(monkeypatch)
+    batch = random_paged_batch(_REQUESTS, 6, 2, 64, block_size, torch.bfloat16, CPU, seed=5)
+    if cap is not None:  # scores of tens, far past the cap
+        batch = dataclasses.replace(batch, q=batch.q * 30)
+    _check_against_definition(FlashAttnBackend(6, 2, 64, 0.125, sliding_window=window, logits_soft_cap=cap), batch)
+    (call,) = calls
+    assert call["window_size"] == ((-1, -1) if window is None else (window - 1, 0))
+    assert call["softcap"] == (cap or 0.0) and call["softmax_scale"] == 0.125
+
+
+def test_a_windowed_layer_gathers_only_what_its_queries_see(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sliding and global layers share the step's metadata, whichever built it; each gathers its own
+    contexts (the sliding one only their tails)."""
+    calls = _install_stand_in(monkeypatch)
+    batch = random_paged_batch(_REQUESTS, 6, 2, 64, 16, torch.bfloat16, CPU, seed=6)
+    every, sliding = FlashAttnBackend(6, 2, 64, 0.125), FlashAttnBackend(6, 2, 64, 0.125, sliding_window=24)
+    for builder in (every, sliding):
+        metadata = builder.build_metadata(batch.layout, CPU)
+        for layer in (sliding, every, sliding):
+            _check_against_definition(layer, batch, metadata)
+    # (cached, new) -> min(context, new + 23) keys for the sliding layers, the whole context otherwise
+    tails, contexts = 7 + 20 + 28 + 24 + 15, 7 + 20 + 305 + 41 + 15
+    assert [c["keys"] for c in calls] == [tails, contexts, tails] * 2
+    assert [c["max_seqlen_k"] for c in calls] == [28, 305, 28] * 2
 
 
 _NO_FLASH = not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None

@@ -2,7 +2,9 @@
 //
 // Every query row (a decode's one token, or any token of a prefill) attends to the first seq_len
 // tokens of its request's block-table row: its cached context up to and including its own position,
-// so causal masking is just each row's length. Keys and values are read in place through the block
+// so causal masking is just each row's length. A sliding window (Gemma, Mistral) is a lower bound on
+// the same range: the row sees the last `window` of those keys, and nothing before them is read.
+// Soft-capping (Gemma 2) maps each scaled score s to cap * tanh(s / cap) before the softmax. Keys and values are read in place through the block
 // table instead of being gathered into a contiguous copy first (which writes and rereads the whole
 // context every layer). Tasks are (rows, KV head), where the query heads sharing the KV head go
 // together:
@@ -47,7 +49,12 @@ struct Shape {
   int64_t head_stride;  // elements between KV heads in the cache: num_blocks * block_size * head_dim
   int64_t max_blocks;   // block-table row length
   int64_t q_stride;     // elements between q's rows (tokens); heads and dims are dense
+  int64_t window;       // keys a row sees before and at its position; 0: all of them
   float scale;
+  float soft_cap;       // 0: none
+
+  // The first key a row that sees `len` keys attends to.
+  int64_t begin(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
 };
 
 // The next task's context, fetched into L2 while this task computes: a cache whose blocks lie
@@ -61,23 +68,24 @@ struct Upcoming {
   int64_t num_blocks = 0;
 };
 
-// Scores of `group` query rows (fp32, pre-scaled, [group][head_dim]) against `seq_len` keys.
+// Scores of `group` query rows (fp32, pre-scaled, [group][head_dim]) against keys [begin, seq_len).
 template <typename T>
-void score(const Shape s, const float* q, const T* keys, const int64_t* blocks, int64_t seq_len,
+void score(const Shape s, const float* q, const T* keys, const int64_t* blocks, int64_t begin, int64_t seq_len,
            float* scores /* [group][seq_len] */, const Upcoming<T>& next) {
-  const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim;
-  const int64_t num_blocks = (seq_len + s.block_size - 1) / s.block_size;
+  const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim, first_block = begin / s.block_size;
+  const int64_t num_blocks = (seq_len + s.block_size - 1) / s.block_size - first_block;
   __m512 k[16];
-  for (int64_t first = 0, b = 0; first < seq_len; first += s.block_size, ++b) {
+  for (int64_t first = first_block * s.block_size, b = first_block; first < seq_len; first += s.block_size, ++b) {
     const T* block = keys + blocks[b] * block_elems;
     // this block's share of the next task's blocks
-    for (int64_t nb = b * next.num_blocks / num_blocks; nb < (b + 1) * next.num_blocks / num_blocks; ++nb) {
+    const int64_t i = b - first_block;
+    for (int64_t nb = i * next.num_blocks / num_blocks; nb < (i + 1) * next.num_blocks / num_blocks; ++nb) {
       prefetch_block<_MM_HINT_T1>(next.keys + next.blocks[nb] * block_elems, block_elems * sizeof(T));
       prefetch_block<_MM_HINT_T1>(next.values + next.blocks[nb] * block_elems, block_elems * sizeof(T));
     }
     if (first + s.block_size < seq_len) prefetch_block(keys + blocks[b + 1] * block_elems, block_elems * sizeof(T));
     const int64_t n = std::min(s.block_size, seq_len - first);
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = std::max(int64_t{0}, begin - first); t < n; ++t) {
       for (int64_t c = 0; c < s.chunks; ++c) k[c] = load16(block + t * dim + c * 16);
       for (int64_t g = 0; g < s.group; ++g) {
         __m512 acc = _mm512_mul_ps(k[0], _mm512_loadu_ps(q + g * dim));
@@ -86,6 +94,11 @@ void score(const Shape s, const float* q, const T* keys, const int64_t* blocks, 
       }
     }
   }
+}
+
+// Soft-capping in place: cap * tanh(s / cap) for each of n scores (Gemma 2's attention logits).
+void soft_cap(float* row, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) row[i] = cap * std::tanh(row[i] / cap);
 }
 
 // Softmax of one row in place; returns nothing, the row then sums to 1.
@@ -116,16 +129,16 @@ void softmax(float* row, int64_t n) {
 // score()'s on purpose: shared through a lambda, decode attention ran 25% slower (9.4 -> 12 ms per
 // batch-64 step of 30 layers) as GCC stopped keeping the loop's values in registers.
 template <typename T>
-void weigh(const Shape s, const float* probs, const T* values, const int64_t* blocks, int64_t seq_len,
+void weigh(const Shape s, const float* probs, const T* values, const int64_t* blocks, int64_t begin, int64_t seq_len,
            float* acc /* [group][head_dim] */) {
-  const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim;
+  const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim, first_block = begin / s.block_size;
   std::fill(acc, acc + s.group * dim, 0.0f);
   __m512 v[16];
-  for (int64_t first = 0, b = 0; first < seq_len; first += s.block_size, ++b) {
+  for (int64_t first = first_block * s.block_size, b = first_block; first < seq_len; first += s.block_size, ++b) {
     const T* block = values + blocks[b] * block_elems;
     if (first + s.block_size < seq_len) prefetch_block(values + blocks[b + 1] * block_elems, block_elems * sizeof(T));
     const int64_t n = std::min(s.block_size, seq_len - first);
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = std::max(int64_t{0}, begin - first); t < n; ++t) {
       for (int64_t c = 0; c < s.chunks; ++c) v[c] = load16(block + t * dim + c * 16);
       for (int64_t g = 0; g < s.group; ++g) {
         const __m512 p = _mm512_set1_ps(probs[g * seq_len + first + t]);
@@ -210,7 +223,7 @@ constexpr std::array<Accumulate, sizeof...(C)> accumulators(std::integer_sequenc
 // The tile's queries ([rows * group][head_dim], pre-scaled fp32; query j is row j / group) against the
 // keys one 16-key chunk at a time: the chunk is transposed to [head_dim][16], so a query's 16 scores
 // are head_dim FMAs with no horizontal sums, and each chunk's values serve every query of the tile.
-// Row i sees first_len + i keys. Writes the tile's outputs (fp32) to scratch.acc.
+// Row i sees keys [s.begin(first_len + i), first_len + i). Writes the tile's outputs (fp32) to scratch.acc.
 template <typename T>
 void attend_tile(const Shape s, Scratch& w, int64_t rows, int64_t first_len, const T* keys, const T* values,
                  const int64_t* blocks) {
@@ -219,7 +232,7 @@ void attend_tile(const Shape s, Scratch& w, int64_t rows, int64_t first_len, con
   const int64_t longest = first_len + rows - 1;
   std::fill(w.acc, w.acc + queries * dim, 0.0f);
   for (int pass = 0; pass < 2; ++pass) {  // 0: scores, then softmax; 1: weighted values
-    for (int64_t first = 0; first < longest;) {
+    for (int64_t first = s.begin(first_len); first < longest;) {
       const int64_t in_block = first % s.block_size;
       const int64_t n = std::min({int64_t{16}, s.block_size - in_block, longest - first});
       const T* src = (pass == 0 ? keys : values) + blocks[first / s.block_size] * block_elems + in_block * dim;
@@ -237,7 +250,9 @@ void attend_tile(const Shape s, Scratch& w, int64_t rows, int64_t first_len, con
       }
       for (int64_t j = 0; j < queries; ++j) {
         const int64_t len = first_len + j / s.group;
-        if (first >= len) continue;
+        // this chunk's keys [first + lo, first + hi) that query j sees
+        const int64_t lo = std::max(int64_t{0}, s.begin(len) - first), hi = std::min(n, len - first);
+        if (lo >= hi) continue;
         float* row_scores = w.scores + j * longest;
         if (pass == 0) {
           const float* q = w.q + j * dim;
@@ -246,15 +261,20 @@ void attend_tile(const Shape s, Scratch& w, int64_t rows, int64_t first_len, con
             for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + u]), _mm512_load_ps(w.keys_t + (d + u) * 16), acc[u]);
           }
           const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-          _mm512_mask_storeu_ps(row_scores + first, tail_mask(std::min(n, len - first)), sum);
+          _mm512_mask_storeu_ps(row_scores + first, static_cast<__mmask16>(tail_mask(hi) & ~tail_mask(lo)), sum);
         } else {
-          kAccumulate[s.chunks - 1](w.acc + j * dim, row_scores + first, w.values, std::min(n, len - first));
+          kAccumulate[s.chunks - 1](w.acc + j * dim, row_scores + first + lo, w.values + lo * dim, hi - lo);
         }
       }
       first += n;
     }
     if (pass == 0) {
-      for (int64_t j = 0; j < queries; ++j) softmax(w.scores + j * longest, first_len + j / s.group);
+      for (int64_t j = 0; j < queries; ++j) {
+        const int64_t len = first_len + j / s.group, begin = s.begin(len);
+        float* row = w.scores + j * longest + begin;
+        if (s.soft_cap > 0) soft_cap(row, len - begin, s.soft_cap);
+        softmax(row, len - begin);
+      }
     }
   }
 }
@@ -291,13 +311,19 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
         Upcoming<T> next;
         if (task + 1 < end) {
           const Tile nt = tiles[(task + 1) / num_kv_heads];
-          const int64_t nh = (task + 1) % num_kv_heads;
-          next = {k_ptr + nh * s.head_stride, v_ptr + nh * s.head_stride, table + requests[nt.first] * s.max_blocks,
-                  (lens[nt.first] + s.block_size - 1) / s.block_size};
+          const int64_t nh = (task + 1) % num_kv_heads, next_len = lens[nt.first];
+          const int64_t next_first = s.begin(next_len) / s.block_size;
+          next = {k_ptr + nh * s.head_stride, v_ptr + nh * s.head_stride,
+                  table + requests[nt.first] * s.max_blocks + next_first,
+                  (next_len + s.block_size - 1) / s.block_size - next_first};
         }
-        score(s, w.q, k_ptr + head * s.head_stride, blocks, len, w.scores, next);
-        for (int64_t g = 0; g < s.group; ++g) softmax(w.scores + g * len, len);
-        weigh(s, w.scores, v_ptr + head * s.head_stride, blocks, len, w.acc);
+        const int64_t begin = s.begin(len);
+        score(s, w.q, k_ptr + head * s.head_stride, blocks, begin, len, w.scores, next);
+        for (int64_t g = 0; g < s.group; ++g) {
+          if (s.soft_cap > 0) soft_cap(w.scores + g * len + begin, len - begin, s.soft_cap);
+          softmax(w.scores + g * len + begin, len - begin);
+        }
+        weigh(s, w.scores, v_ptr + head * s.head_stride, blocks, begin, len, w.acc);
       } else {
         attend_tile(s, w, tile.count, len, k_ptr + head * s.head_stride, v_ptr + head * s.head_stride, blocks);
       }
@@ -311,10 +337,11 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
 
 // out, q: [rows, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim];
 // block_table: [requests, max_blocks] int64; row_requests: [rows] int64, each row's request;
-// seq_lens: [rows] int64, the keys each row sees (its position + 1), at least 1.
+// seq_lens: [rows] int64, each row's position + 1, at least 1; window: the last keys of those a row
+// sees (0: all); soft_cap: 0 for none.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_table, const at::Tensor& row_requests, const at::Tensor& seq_lens,
-                     double scale) {
+                     double scale, int64_t window, double soft_cap) {
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: out and the caches must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q's heads and dims must be dense");
@@ -324,10 +351,11 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0, "paged_attention: window and soft_cap must not be negative");
   if (q.size(0) == 0) return;
   const Shape s{q.size(1) / k_cache.size(0), head_dim / 16, k_cache.size(2),
                 k_cache.size(1) * k_cache.size(2) * head_dim, block_table.size(1), q.stride(0),
-                static_cast<float>(scale)};
+                window, static_cast<float>(scale), static_cast<float>(soft_cap)};
   const at::Tensor table = block_table.contiguous(), requests = row_requests.contiguous(), lens = seq_lens.contiguous();
   CADENCE_DISPATCH_FLOAT(q.scalar_type(), "paged_attention",
                          [&] { attend<scalar_t>(s, out, q, k_cache, v_cache, table, requests, lens); });
@@ -369,7 +397,7 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor row_requests, Tensor seq_lens, float scale) -> ()");
+        "Tensor row_requests, Tensor seq_lens, float scale, int window, float soft_cap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) {

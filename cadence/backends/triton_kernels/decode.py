@@ -6,6 +6,12 @@ Long contexts are split into partitions ("split-K", as in flash-decoding) so a s
 fills the GPU: each partition keeps an online softmax (running max, sum, weighted values) and a
 second kernel merges the partitions by their log-sum-exp. With one partition the first kernel
 writes the output itself.
+
+With a sliding window (``WINDOW`` > 0) the query at position ``seq_len - 1`` sees only the last
+``WINDOW`` keys, and the partitions tile that window instead of the whole context: nothing before
+it is read, and the split count follows the window, not the context (:func:`num_decode_splits` of
+``min(max_seq_len, window)``). ``SOFT_CAP`` > 0 caps the scaled scores with tanh (Gemma 2). Both are
+compile-time constants: 0 compiles the kernel without them.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import triton
 import triton.language as tl
 
 from cadence.backends.triton_kernels.launch import check_rows, num_stages
+from cadence.backends.triton_kernels.scores import soft_cap
 
 # Context tokens per tile; a tile may span several cache blocks (gathered through the table).
 BLOCK_N = 64
@@ -30,7 +37,7 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -49,6 +56,8 @@ def _decode_kernel(
         q = q.to(tl.float32)
 
     start = split * partition_tokens
+    if WINDOW > 0:  # partitions tile the window: every position from `start` on is visible
+        start += tl.maximum(seq_len - WINDOW, 0)
     end = tl.minimum(start + partition_tokens, seq_len)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -67,6 +76,8 @@ def _decode_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if SOFT_CAP > 0:
+            s = soft_cap(s, SOFT_CAP)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -75,7 +86,7 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # An empty partition (context shorter than its start) leaves l_i = 0: output 0, weight 0.
+    # An empty partition (context, or window, shorter than its start) leaves l_i = 0: output 0, weight 0.
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     store_mask = g_mask[:, None] & d_mask[None, :]
@@ -144,11 +155,15 @@ def paged_decode_attention(
     partition_tokens: int,
     upcast: bool,
     block_n: int = BLOCK_N,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Attention of one query token per request over its paged context (already in the cache).
 
     ``num_splits`` and ``partition_tokens`` come from :func:`num_decode_splits` with the same
-    ``block_n``; ``upcast`` converts K/V to fp32 before the dots (fp32 caches, and the interpreter).
+    ``block_n``, over ``min(max_seq_len, sliding_window)`` tokens; ``upcast`` converts K/V to fp32
+    before the dots (fp32 caches, and the interpreter). ``sliding_window`` and ``logits_soft_cap``
+    as in :class:`~cadence.backends.base.AttentionBackend`.
     """
     num_decodes = rows.shape[0]
     if num_decodes == 0:
@@ -171,6 +186,7 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, SPLIT=num_splits > 1, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        WINDOW=sliding_window or 0, SOFT_CAP=logits_soft_cap or 0.0,
         num_stages=num_stages(k_cache),
     )
     if num_splits > 1:

@@ -1,0 +1,64 @@
+"""Sliding windows and soft-capped scores in the ``sdpa`` backend, through its C++ kernel (decodes,
+prefill tiles over cached prefixes, chunks that begin mid-block) and through its torch ops, against
+the definition (``naive_reference``: fp64, one token at a time)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cadence.backends import sdpa_backend
+from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.sdpa_backend import SDPABackend
+from cadence.backends.testing import naive_reference, random_paged_batch, run_backend
+
+# Decodes with contexts shorter and longer than the windows, fresh prefills longer than a 16-row
+# tile, and prefill chunks over cached prefixes (the window then starts inside the cache).
+REQUESTS = [(40, 1), (0, 9), (7, 1), (20, 6), (3, 1), (16, 16), (0, 37), (5, 17), (90, 1), (61, 12)]
+PATHS = ["kernel", "torch"]
+
+
+def _attend(path: str, window: int | None, cap: float | None, dtype: torch.dtype, head_dim: int, block_size: int,
+            monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor]:
+    if path == "kernel" and cpu_ops() is None:
+        pytest.skip("cadence's CPU kernels need AVX-512")
+    if path == "torch":
+        monkeypatch.setattr(sdpa_backend, "cpu_ops", lambda: None)
+    batch = random_paged_batch(REQUESTS, 6, 2, head_dim, block_size, dtype, seed=block_size)
+    scale = head_dim ** -0.5
+    backend = SDPABackend(6, 2, head_dim, scale, sliding_window=window, logits_soft_cap=cap)
+    out, _, _ = run_backend(backend, batch)
+    return out.double(), naive_reference(batch, scale, window, cap)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 1000])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_sliding_window_matches_the_definition(path: str, window: int, block_size: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    out, expected = _attend(path, window, None, torch.float32, 32, block_size, monkeypatch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("window", [None, 12])
+def test_soft_capped_scores_match_the_definition(path: str, window: int | None,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cap of 0.5 against scores of order 1 changes every output: a cap that was ignored would show.
+    out, expected = _attend(path, window, 0.5, torch.float32, 64, 16, monkeypatch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    uncapped, _ = _attend(path, window, None, torch.float32, 64, 16, monkeypatch)
+    assert (uncapped - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bfloat16_windows_stay_within_rounding(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, expected = _attend(path, 20, 30.0, torch.bfloat16, 128, 16, monkeypatch)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=0)
+
+
+def test_a_window_or_cap_that_means_nothing_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliding_window must be at least 1"):
+        SDPABackend(4, 2, 16, 0.25, sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap must be positive"):
+        SDPABackend(4, 2, 16, 0.25, logits_soft_cap=-1.0)
