@@ -38,9 +38,16 @@ from typing import Any
 
 import torch
 
-from cadence.backends.base import AttentionBackend, BatchLayout
+from cadence.backends.base import AttentionBackend
 from cadence.backends.registry import available_backends, load_backend
-from cadence.backends.testing import PagedBatch, naive_reference, random_paged_batch, run_backend, sdpa_reference
+from cadence.backends.testing import (
+    PagedBatch,
+    large_paged_batch,
+    naive_reference,
+    random_paged_batch,
+    run_backend,
+    sdpa_reference,
+)
 
 START = time.perf_counter()
 BUDGET_S = 270.0  # stop starting timing cases past this, to stay under 5 minutes
@@ -312,10 +319,10 @@ def timing(names: list[str], device: torch.device, peak: float | None, quick: bo
         if elapsed() > BUDGET_S:
             print(f"  {label}: skipped (time budget)")
             continue
-        batch = bench_batch(requests, 32, 8, 128, 16, torch.bfloat16, device)
+        batch = large_paged_batch(requests, 32, 8, 128, 16, torch.bfloat16, device)
         for name in names:
             for block_size in ([16, 256] if name == "flash_attn" else [16]):
-                b = batch if block_size == 16 else bench_batch(requests, 32, 8, 128, block_size, torch.bfloat16,
+                b = batch if block_size == 16 else large_paged_batch(requests, 32, 8, 128, block_size, torch.bfloat16,
                                                                device)
                 guarded("timing", f"{name} {label}", functools.partial(
                     _time_case, rows, name, label, b, requests, device, peak, block_size, window))
@@ -348,33 +355,6 @@ def _time_case(rows: list[str], name: str, label: str, batch: PagedBatch, reques
     tag = name if block_size == 16 else f"{name} bs{block_size}"
     rows.append(f"{tag:<18}{label:<28}{seconds * 1e6:>9.0f}us{bandwidth / 1e9:>9.0f}{share:>8}"
                 f"{flops / seconds / 1e12:>9.1f}")
-
-
-def bench_batch(requests: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, block_size: int,
-                dtype: torch.dtype, device: torch.device) -> PagedBatch:
-    """A large random batch built on the device (contents random: timing only)."""
-    seq_lens = torch.tensor([c + n for c, n in requests])
-    new = torch.tensor([n for _, n in requests])
-    blocks = (seq_lens + block_size - 1) // block_size
-    num_blocks = int(blocks.sum()) + 1
-    ids = torch.randperm(num_blocks - 1) + 1
-    width = int(blocks.max())
-    table = torch.zeros(len(requests), width, dtype=torch.int32)
-    offsets = torch.cumsum(blocks, 0) - blocks
-    for i, (start, count) in enumerate(zip(offsets.tolist(), blocks.tolist(), strict=True)):
-        table[i, :count] = ids[start:start + count]
-    req = torch.repeat_interleave(torch.arange(len(requests)), new)
-    first = torch.cumsum(new, 0) - new
-    pos = (seq_lens - new)[req] + torch.arange(int(new.sum())) - first[req]
-    slots = table[req, pos // block_size].long() * block_size + pos % block_size
-    layout = BatchLayout(
-        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(new, 0).int()]),
-        seq_lens=seq_lens.int(), block_table=table, slot_mapping=slots,
-        max_query_len=int(new.max()), max_seq_len=int(seq_lens.max()))
-    shape, tokens = (num_blocks, block_size, kv_heads, dim), int(new.sum())
-    randn = functools.partial(torch.randn, dtype=dtype, device=device)
-    return PagedBatch(randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim),
-                      randn(shape), randn(shape), layout)
 
 
 def time_cuda(fn: Callable[[], object], device: torch.device, repeats: int = 20) -> float:

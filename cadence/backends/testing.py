@@ -7,6 +7,7 @@ scattered cache blocks, exactly as the model runner lays it out.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -97,6 +98,35 @@ def random_paged_batch(
     k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
     q, k, v, k_cache, v_cache = (t.to(device) for t in (q, k, v, k_cache, v_cache))
     return PagedBatch(q, k, v, k_cache, v_cache, layout)
+
+
+def large_paged_batch(requests: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, block_size: int,
+                dtype: torch.dtype, device: torch.device) -> PagedBatch:
+    """A batch of ``requests`` (``(cached tokens, new tokens)`` pairs) built on ``device`` in a few
+    tensor ops, for timing batches far too large for :func:`random_paged_batch`'s loops: every cache
+    slot random, the blocks a random permutation of the pool."""
+    seq_lens = torch.tensor([c + n for c, n in requests])
+    new = torch.tensor([n for _, n in requests])
+    blocks = (seq_lens + block_size - 1) // block_size
+    num_blocks = int(blocks.sum()) + 1
+    ids = torch.randperm(num_blocks - 1) + 1
+    width = int(blocks.max())
+    table = torch.zeros(len(requests), width, dtype=torch.int32)
+    offsets = torch.cumsum(blocks, 0) - blocks
+    for i, (start, count) in enumerate(zip(offsets.tolist(), blocks.tolist(), strict=True)):
+        table[i, :count] = ids[start:start + count]
+    req = torch.repeat_interleave(torch.arange(len(requests)), new)
+    first = torch.cumsum(new, 0) - new
+    pos = (seq_lens - new)[req] + torch.arange(int(new.sum())) - first[req]
+    slots = table[req, pos // block_size].long() * block_size + pos % block_size
+    layout = BatchLayout(
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(new, 0).int()]),
+        seq_lens=seq_lens.int(), block_table=table, slot_mapping=slots,
+        max_query_len=int(new.max()), max_seq_len=int(seq_lens.max()))
+    shape, tokens = (num_blocks, block_size, kv_heads, dim), int(new.sum())
+    randn = functools.partial(torch.randn, dtype=dtype, device=device)
+    return PagedBatch(randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim),
+                      randn(shape), randn(shape), layout)
 
 
 def run_backend(backend: AttentionBackend, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

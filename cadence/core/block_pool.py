@@ -44,7 +44,7 @@ class KVRequest(Protocol):
 class RequestBlocks:
     """One request's blocks in the pool, and the hashes of its full blocks."""
 
-    __slots__ = ("blocks", "hashes", "num_cached", "request")
+    __slots__ = ("blocks", "hashes", "num_cached", "num_released", "request")
 
     def __init__(self, request: KVRequest) -> None:
         self.request = request  # read again by free()
@@ -55,6 +55,9 @@ class RequestBlocks:
         # Leading blocks already offered to the prefix cache (registered, or duplicates of a
         # block that was).
         self.num_cached = 0
+        # Leading blocks returned to the pool because no query can see them any more (a sliding
+        # window); their places in ``blocks`` hold the null block.
+        self.num_released = 0
 
 
 class Block:

@@ -20,6 +20,10 @@ request that holds no blocks (new, or back from preemption with ``num_computed_t
 and for a running one ``allocator.allocate(request, num_new_tokens)``. Call ``free(request_id)``
 when a request finishes, is aborted or is preempted, and also for one that was only looked up and
 never admitted (the lookup memoizes its block hashes under its id).
+
+With ``sliding_window`` (every layer sees only its last ``window`` keys: Mistral 7B v0.1), the
+blocks before the window of a request's next query (at ``num_computed_tokens``) return to the pool
+at its next allocation, the null block taking their places; they keep their hashes for prefix hits.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from cadence.core.block_pool import Block, FreeList, IntegrityError, KVRequest, RequestBlocks, hash_block
-from cadence.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from cadence.core.kv_events import AllBlocksCleared, BlockRemoved, KVEvent, stored_events
 
 # ---- the allocator -------------------------------------------------------------------------
 
@@ -40,11 +44,14 @@ class KVAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 enable_kv_events: bool = False) -> None:
+                 enable_kv_events: bool = False, sliding_window: int | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        self._window = sliding_window  # None: keep every block (global layers, or layers that differ)
         self._num_blocks = num_blocks
         self._block_size = block_size
         self._caching = enable_prefix_caching
@@ -169,6 +176,8 @@ class KVAllocator:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         state = self._requests.get(request.request_id)
+        if state is not None and self._window is not None:
+            self._release_out_of_window(state, request.num_computed_tokens)
         num_held = len(state.blocks) if state is not None else 0
         hit_blocks: list[Block] = []
         num_free_hits = 0
@@ -193,6 +202,8 @@ class KVAllocator:
         state.num_cached = max(state.num_cached, len(hit_blocks))
         new_blocks = self._take_free_blocks(num_needed)
         blocks.extend(new_blocks)
+        if self._window is not None:  # hit blocks may lie before the window already
+            self._release_out_of_window(state, request.num_computed_tokens + num_computed_hit_tokens)
         if self._caching:
             num_full = min(num_total, request.num_tokens) // self._block_size
             if num_full > state.num_cached:
@@ -217,7 +228,7 @@ class KVAllocator:
         num_written = state.request.num_computed_tokens // self._block_size
         append = self._free.append
         unwritten = []
-        for i in range(len(blocks) - 1, -1, -1):
+        for i in range(len(blocks) - 1, state.num_released - 1, -1):
             block = blocks[i]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -262,6 +273,19 @@ class KVAllocator:
                                  "get_computed_blocks(); allocate right after the lookup")
         return hit_blocks
 
+    def _release_out_of_window(self, state: RequestBlocks, num_computed: int) -> None:
+        """Return the blocks before the window of the request's next query (at ``num_computed``)."""
+        num_dead = max(0, num_computed - (self._window or 0) + 1) // self._block_size
+        for i in range(state.num_released, min(num_dead, len(state.blocks))):
+            block, state.blocks[i] = state.blocks[i], self._blocks[0]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free.append(block)  # still cached: a later prefix hit may take it back
+            state.num_released = i + 1
+        if self._caching and state.num_released > state.num_cached:  # released before offered: never offered
+            self._extend_hashes(state.request, state.hashes, state.num_released)
+            state.num_cached = state.num_released
+
     def _take_free_blocks(self, n: int) -> list[Block]:
         taken = []
         evicted = []
@@ -302,24 +326,8 @@ class KVAllocator:
                 cache[h] = block
                 stored.append(i)
         if stored and self._record_events:
-            self._record_stored(request, hashes, stored)
+            self._events.extend(stored_events(request.all_token_ids, hashes, stored, self._block_size))
         state.num_cached = num_full
-
-    def _record_stored(self, request: KVRequest, hashes: list[int], indices: list[int]) -> None:
-        """One BlockStored per run of consecutive block indices."""
-        bs = self._block_size
-        tokens = request.all_token_ids
-        start = 0
-        for k in range(1, len(indices) + 1):
-            if k == len(indices) or indices[k] != indices[k - 1] + 1:
-                first, last = indices[start], indices[k - 1]
-                self._events.append(BlockStored(
-                    block_hashes=hashes[first:last + 1],
-                    parent_block_hash=hashes[first - 1] if first > 0 else None,
-                    token_ids=list(tokens[first * bs:(last + 1) * bs]),
-                    block_size=bs,
-                ))
-                start = k
 
     # ---- invariants ------------------------------------------------------------------------
 
@@ -361,14 +369,17 @@ class KVAllocator:
         holders = [0] * self._num_blocks
         for request_id, state in self._requests.items():
             seen: set[int] = set()
-            for block in state.blocks:
+            if any(block.block_id != 0 for block in state.blocks[:state.num_released]):
+                _broken(f"request {request_id!r} still holds a block it released")
+            for block in state.blocks[state.num_released:]:
                 if block.block_id in seen or block.block_id == 0:
                     _broken(f"request {request_id!r} holds block {block.block_id} twice or the null block")
                 seen.add(block.block_id)
                 holders[block.block_id] += 1
             if state.num_cached > min(len(state.blocks), len(state.hashes)):
                 _broken(f"request {request_id!r} counts more cached blocks than it holds or has hashed")
-            for block, h in zip(state.blocks[:state.num_cached], state.hashes, strict=False):
+            for block, h in zip(state.blocks[state.num_released:state.num_cached],
+                                state.hashes[state.num_released:], strict=False):
                 if block.block_hash is not None and block.block_hash != h:
                     _broken(f"request {request_id!r} block {block.block_id} carries a foreign hash")
         return holders

@@ -7,6 +7,8 @@ The allocator records an event whenever blocks enter or leave the prefix cache (
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from cadence.messages import KVCacheDelta
@@ -40,6 +42,24 @@ class AllBlocksCleared(_KVEvent):
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def stored_events(tokens: Sequence[int], hashes: list[int], indices: list[int], block_size: int) -> list[BlockStored]:
+    """One :class:`BlockStored` per run of consecutive block ``indices`` of a request whose tokens
+    are ``tokens`` and whose full blocks hash to ``hashes``."""
+    events = []
+    start = 0
+    for k in range(1, len(indices) + 1):
+        if k == len(indices) or indices[k] != indices[k - 1] + 1:
+            first, last = indices[start], indices[k - 1]
+            events.append(BlockStored(
+                block_hashes=hashes[first:last + 1],
+                parent_block_hash=hashes[first - 1] if first > 0 else None,
+                token_ids=list(tokens[first * block_size:(last + 1) * block_size]),
+                block_size=block_size,
+            ))
+            start = k
+    return events
 
 
 def fold_kv_events(events: list[KVEvent]) -> KVCacheDelta | None:

@@ -10,7 +10,7 @@ import torch
 from cadence.backends import sdpa_backend
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend
-from cadence.backends.testing import naive_reference, random_paged_batch, run_backend
+from cadence.backends.testing import large_paged_batch, naive_reference, random_paged_batch, run_backend
 
 # Decodes with contexts shorter and longer than the windows, fresh prefills longer than a 16-row
 # tile, and prefill chunks over cached prefixes (the window then starts inside the cache).
@@ -62,3 +62,14 @@ def test_a_window_or_cap_that_means_nothing_is_refused() -> None:
         SDPABackend(4, 2, 16, 0.25, sliding_window=0)
     with pytest.raises(ValueError, match="logits_soft_cap must be positive"):
         SDPABackend(4, 2, 16, 0.25, logits_soft_cap=-1.0)
+
+
+def test_a_large_batch_built_in_tensor_ops_is_a_valid_paged_batch() -> None:
+    # large_paged_batch (benchmarks/gpu_check.py's timing batches) lays out what the backends read
+    # exactly as the model runner does: the backend's output equals the definition's.
+    batch = large_paged_batch([(40, 1), (0, 9), (23, 5)], 4, 2, 32, 16, torch.float32, "cpu")
+    table, slots = batch.layout.block_table, batch.layout.slot_mapping
+    assert len(set(table[table > 0].tolist())) == int((table > 0).sum())  # no block twice
+    assert len(set(slots.tolist())) == slots.numel() == 15
+    out, _, _ = run_backend(SDPABackend(4, 2, 32, 32 ** -0.5, sliding_window=8), batch)
+    torch.testing.assert_close(out.double(), naive_reference(batch, 32 ** -0.5, 8), atol=1e-5, rtol=0)

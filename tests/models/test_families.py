@@ -116,8 +116,9 @@ def test_cold_then_warm_prefix_cache_matches_transformers(case: Case, family: st
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_chunked_prefill_with_preemptions_matches_transformers(case: Case, family: str) -> None:
-    # 24-token steps cut every prompt into chunks; 60 blocks of 4 cannot hold 8 such requests at once.
-    llm = case.llm(max_num_batched_tokens=24, block_size=4, num_kv_blocks=60)
+    # 64-token steps cut every prompt into chunks; 48 blocks of 4 hold the longest request (182
+    # tokens) but not 8 at once, even where blocks out of every layer's window return to the pool.
+    llm = case.llm(max_num_batched_tokens=64, block_size=4, num_kv_blocks=48)
     assert greedy(llm, case.prompts, NEW_TOKENS) == case.expected
     assert llm.engine_core.scheduler.num_preemptions > 0
 
@@ -143,3 +144,19 @@ def test_logprobs_match_transformers_log_softmax(case: Case, family: str) -> Non
         top = reference[step].topk(2)
         assert entry.token_ids[1:] == top.indices.tolist()
         assert entry.logprobs == pytest.approx([top.values[0].item(), *top.values.tolist()], abs=1e-4)
+
+
+
+@pytest.mark.parametrize("family", ["mistral-sliding-window"])
+def test_blocks_out_of_the_window_return_to_the_pool(case: Case, family: str,
+                                                     make_tiny_model: Callable[..., Path]) -> None:
+    """Every layer of this Mistral slides (window 16): a request holds about its window's blocks,
+    so the 8 requests share 60 blocks of 4 without a preemption; the same prompts on a Mistral
+    without a window (every block kept to the end) are preempted."""
+    windowed = case.llm(max_num_batched_tokens=24, block_size=4, num_kv_blocks=60)
+    assert greedy(windowed, case.prompts, NEW_TOKENS) == case.expected
+    assert windowed.engine_core.scheduler.num_preemptions == 0
+    plain = LLM(model=str(make_tiny_model("mistral", sliding_window=None)), dtype="float32",
+                max_num_batched_tokens=24, block_size=4, num_kv_blocks=60)
+    greedy(plain, case.prompts, NEW_TOKENS)
+    assert plain.engine_core.scheduler.num_preemptions > 0
