@@ -328,12 +328,6 @@ def engine_core_pids(server_pid: int) -> dict[int, int]:
     return pids
 
 
-def busy(m: dict[str, float], num: int) -> bool:
-    """Every request admitted, and both engine cores running some."""
-    pending = sum(m[f'cadence:num_requests_pending{{engine="{r}"}}'] for r in (0, 1))
-    return pending == num and all(m[f'cadence:num_requests_running{{engine="{r}"}}'] > 0 for r in (0, 1))
-
-
 async def until(condition: Callable[[], bool]) -> None:
     """Poll until ``condition`` holds; the timeout is a hang guard, not a speed requirement."""
     with anyio.fail_after(120):
@@ -368,13 +362,22 @@ def test_killing_one_engine_core_fails_its_requests_and_the_other_finishes(serve
             return "", result["error"]["code"]
         return result["choices"][0]["text"], None
 
+    stopped: set[int] = set()
+
+    def pause_each_once_running(m: dict[str, float]) -> bool:
+        """SIGSTOP each core the moment it is seen running requests (waiting for both together let
+        the first one finish all of its own first); True once both are paused and all admitted."""
+        for rank, pid in pids.items():
+            if rank not in stopped and m[f'cadence:num_requests_running{{engine="{rank}"}}'] > 0:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.add(rank)
+        return len(stopped) == 2 and sum(m[f'cadence:num_requests_pending{{engine="{r}"}}'] for r in (0, 1)) == num
+
     async def run() -> tuple[list[tuple[str, str | None]], dict[str, float]]:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             jobs = asyncio.gather(*(one(session, i) for i in range(num)))
             try:
-                await until(lambda: busy(metrics(server.url), num))
-                for pid in pids.values():
-                    os.kill(pid, signal.SIGSTOP)
+                await until(lambda: pause_each_once_running(metrics(server.url)))
                 # Outputs sent before the pause may still be on their way; then nothing changes.
                 held = metrics(server.url)
                 while (now := metrics(server.url)) != held:
