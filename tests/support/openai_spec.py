@@ -64,6 +64,30 @@ class OpenAISpec:
         self.validate(patched, "CreateCompletionResponse")
 
 
+def check_fuzzed_reply(spec: OpenAISpec, status_code: int, content_type: str, content: bytes, context: str) -> None:
+    """What the fuzz tests ask of any reply: no 5xx; OpenAI's error shape on a 4xx; a 200's stream
+    ended by ``[DONE]``, or by one error event if it failed once started."""
+    assert status_code < 500, context
+    if status_code >= 400:
+        _check_client_error(spec, json.loads(content), context)
+        return
+    assert status_code == 200, context
+    if not content_type.startswith("text/event-stream"):
+        json.loads(content)
+        return
+    events = [line.removeprefix(b"data: ") for line in content.split(b"\n\n") if line.strip()]
+    assert events, context
+    for event in events[:-1]:
+        assert "error" not in json.loads(event), context
+    if events[-1] != b"[DONE]":
+        _check_client_error(spec, json.loads(events[-1]), context)
+
+
+def _check_client_error(spec: OpenAISpec, body: Any, context: str) -> None:
+    spec.validate(body, "ErrorResponse")
+    assert body["error"]["type"] == "invalid_request_error", context
+
+
 def _nullable_as_any_of(node: Any) -> Any:
     if isinstance(node, list):
         return [_nullable_as_any_of(item) for item in node]
