@@ -55,6 +55,7 @@ class _Gather:
     # [1, Bd, 1, blocks per decode * block_size] fp32, -inf past each decode's context; None: no padding
     decode_bias: torch.Tensor | None
     prefill: tuple[torch.Tensor | None, ...]  # [seq_len] int64 slots per prefill with a cached prefix
+    masks: tuple[torch.Tensor | None, ...]  # each prefill's mask (:attr:`_Prefill.mask`, or its window's)
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ class SDPAMetadata:
         return cached
 
     def gather_window(self, block_size: int, window: int | None) -> _Gather:
-        """:meth:`gather` for layers with a sliding window: the decode bias also hides the keys before
-        each decode's window (prefills take :meth:`_Prefill.window_mask`)."""
+        """:meth:`gather` for layers with a sliding window: the decode bias and the prefills' masks also
+        hide the keys before each query's window."""
         if window is None:
             return self.gather(block_size)
         cached = self._windowed.get((block_size, window))
@@ -96,7 +97,8 @@ class SDPAMetadata:
             if self.num_decodes:
                 width = -(-self.decode_seq_len // block_size) * block_size
                 bias = _padding_bias(self.decode_seq_lens, width, window)
-            cached = self._windowed[(block_size, window)] = _Gather(plain.decode_blocks, bias, plain.prefill)
+            masks = tuple(p.window_mask(window, self.block_table.device) for p in self.prefills)
+            cached = self._windowed[(block_size, window)] = _Gather(plain.decode_blocks, bias, plain.prefill, masks)
         return cached
 
     def _compute_gather(self, block_size: int) -> _Gather:
@@ -109,7 +111,7 @@ class SDPAMetadata:
             None if p.mask is None else _context_slots(self.block_table[p.request], p.seq_len, block_size)
             for p in self.prefills
         )
-        return _Gather(blocks, bias, prefill)
+        return _Gather(blocks, bias, prefill, tuple(p.mask for p in self.prefills))
 
 
 def _padding_bias(seq_lens: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor | None:
@@ -202,12 +204,11 @@ class SDPABackend(AttentionBackend):
         if gather.decode_blocks is not None:
             rows = meta.decode_tokens
             out[rows] = self._decode(q[rows], k_cache, v_cache, gather.decode_blocks, gather.decode_bias)
-        for prefill, context in zip(meta.prefills, gather.prefill, strict=True):
+        for prefill, context, mask in zip(meta.prefills, gather.prefill, gather.masks, strict=True):
             if context is None:
                 keys, values = k[prefill.tokens].transpose(0, 1), v[prefill.tokens].transpose(0, 1)
             else:
                 keys, values = flat_k.index_select(1, context), flat_v.index_select(1, context)
-            mask = prefill.mask if self.sliding_window is None else prefill.window_mask(self.sliding_window, q.device)
             out[prefill.tokens] = self._prefill(q[prefill.tokens], keys, values, mask)
         return out
 

@@ -202,7 +202,7 @@ class KVAllocator:
         state.num_cached = max(state.num_cached, len(hit_blocks))
         new_blocks = self._take_free_blocks(num_needed)
         blocks.extend(new_blocks)
-        if self._window is not None:  # hit blocks may lie before the window already
+        if self._window is not None and hit_blocks:  # hit blocks may lie before the window already
             self._release_out_of_window(state, request.num_computed_tokens + num_computed_hit_tokens)
         if self._caching:
             num_full = min(num_total, request.num_tokens) // self._block_size

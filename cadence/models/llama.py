@@ -14,7 +14,8 @@ row-parallel o and down with an all-reduce) and its vocabulary rows (embedding a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import torch
@@ -247,32 +248,48 @@ def layer_backends(config: PretrainedConfig, backend_cls: type[AttentionBackend]
     return heads.kv.size, [backends[window] for window in windows]
 
 
-def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]], tied: bool) -> None:
-    """Load Hugging Face-named tensors into ``model``, whose parameters bear the same names except
-    Llama's fused projections (``qkv_proj``, ``gate_up_proj``), each tensor into this rank's shard;
-    ``tied``: skip a checkpoint's ``lm_head.weight`` (the embedding serves as the head).
+# Loads one checkpoint tensor; returns the (parameter, shard)s it filled, or None: no such tensor.
+TensorLoader = Callable[[str, CheckpointTensor], list[tuple[str, int]] | None]
+
+
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]], tied: bool,
+                    expected: set[tuple[str, int]] | None = None, load_one: TensorLoader | None = None) -> None:
+    """Load Hugging Face-named tensors into ``model``, each into this rank's shard, with ``load_one``
+    (default :func:`load_named`: parameters bear the checkpoint's names but for Llama's fused
+    projections); ``expected``: the (parameter, shard)s it must fill (default
+    :func:`expected_shards`); ``tied``: skip a checkpoint's ``lm_head.weight`` (the embedding
+    serves as the head).
 
     :raises ValueError: a name the model does not have, a shape that does not match, or a
         parameter the weights never provided.
     """
-    modules = dict(model.named_modules())
-    expected = expected_shards(model)
+    expected = expected_shards(model) if expected is None else expected
+    load_one = load_one or functools.partial(load_named, dict(model.named_modules()), expected)
     loaded: set[tuple[str, int]] = set()
     for hf_name, tensor in weights:
         if "rotary_emb." in hf_name or (tied and hf_name == "lm_head.weight"):
             continue
-        name, shard = _our_name(hf_name)
-        if (name, shard) not in expected:
-            raise ValueError(f"unexpected weight {hf_name!r} for {type(model).__name__}")
-        module_name, _, param_name = name.rpartition(".")
         try:
-            load_parameter(modules[module_name], param_name, tensor, shard)
+            filled = load_one(hf_name, tensor)
         except ValueError as exc:
             raise ValueError(f"{hf_name}: {exc}") from None
-        loaded.add((name, shard))
+        if filled is None:
+            raise ValueError(f"unexpected weight {hf_name!r} for {type(model).__name__}")
+        loaded.update(filled)
     missing = sorted(f"{name}[{shard}]" for name, shard in expected - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def load_named(modules: dict[str, nn.Module], expected: set[tuple[str, int]], hf_name: str,
+               tensor: CheckpointTensor) -> list[tuple[str, int]] | None:
+    """Load ``tensor`` into the parameter (and shard) of its name, if ``expected`` has it."""
+    name, shard = _our_name(hf_name)
+    if (name, shard) not in expected:
+        return None
+    module_name, _, param_name = name.rpartition(".")
+    load_parameter(modules[module_name], param_name, tensor, shard)
+    return [(name, shard)]
 
 
 def expected_shards(model: nn.Module) -> set[tuple[str, int]]:

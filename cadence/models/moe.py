@@ -27,8 +27,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from cadence.distributed.group import ParallelGroup
-from cadence.distributed.layers import CheckpointTensor, load_parameter
-from cadence.models.llama import LlamaForCausalLM, _our_name
+from cadence.distributed.layers import CheckpointTensor
+from cadence.models.llama import LlamaForCausalLM, load_checkpoint, load_named
 from cadence.models.moe_layers import MoeSpec, SparseMoeBlock, StackedExperts
 
 # One expert's matrix (experts.<e>.<projection>.weight), and transformers 5's stacked tensors.
@@ -68,49 +68,19 @@ class MoeForCausalLM(LlamaForCausalLM):
         """
         modules = dict(self.named_modules())
         expected = self._expected_shards()
-        loaded: set[tuple[str, int]] = set()
-        for hf_name, tensor in weights:
-            if "rotary_emb." in hf_name or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
-                continue
+
+        def load_one(hf_name: str, tensor: CheckpointTensor) -> list[tuple[str, int]] | None:
             name = hf_name
             for theirs, ours in self.renames:
                 name = name.replace(theirs, ours)
-            try:
-                filled = self._load_one(modules, expected, name, tensor)
-            except ValueError as exc:
-                raise ValueError(f"{hf_name}: {exc}") from None
-            if filled is None:
-                raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
-            loaded.update(filled)
-        missing = sorted(f"{name}[{shard}]" for name, shard in expected - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+            if ".experts." in name:
+                return _load_experts(modules, name, tensor)
+            return load_named(modules, expected, name, tensor)
+
+        load_checkpoint(self, weights, self.tie_word_embeddings, expected, load_one)
         for module in modules.values():
             if isinstance(module, StackedExperts):
                 module.pack()
-
-    def _load_one(self, modules: dict[str, nn.Module], expected: set[tuple[str, int]], name: str,
-                  tensor: CheckpointTensor) -> list[tuple[str, int]] | None:
-        """Load one checkpoint tensor (named as ours); the (parameter, shard)s it filled, or None
-        when the model has no such tensor."""
-        for pattern in (_PER_EXPERT, _STACKED):
-            match = pattern.fullmatch(name)
-            experts = modules.get(match["module"]) if match else None
-            if match is None or not isinstance(experts, StackedExperts):
-                continue
-            if pattern is _STACKED:
-                filled = experts.load_stacked(match["param"], tensor)
-            elif match["projection"] in _PROJECTIONS:
-                filled = [experts.load_expert(int(match["expert"]), _PROJECTIONS[match["projection"]], tensor)]
-            else:
-                return None
-            return [(f"{match['module']}.{param}", shard) for param, shard in filled]
-        name, shard = _our_name(name)
-        if (name, shard) not in expected or ".experts." in name:
-            return None
-        module_name, _, param_name = name.rpartition(".")
-        load_parameter(modules[module_name], param_name, tensor, shard)
-        return [(name, shard)]
 
     def _expected_shards(self) -> set[tuple[str, int]]:
         expected = super()._expected_shards()
@@ -159,3 +129,21 @@ class Qwen3MoeForCausalLM(QwenMoeRouting):
     (:mod:`cadence.models.qwen3`), and biases on q/k/v and o from ``attention_bias``."""
 
     qk_norm = True
+
+
+def _load_experts(modules: dict[str, nn.Module], name: str, tensor: CheckpointTensor) -> list[tuple[str, int]] | None:
+    """Load one expert tensor (named as ours: per expert, or stacked); the (parameter, shard)s it
+    filled, or None when the model has no such tensor."""
+    for pattern in (_PER_EXPERT, _STACKED):
+        match = pattern.fullmatch(name)
+        experts = modules.get(match["module"]) if match else None
+        if match is None or not isinstance(experts, StackedExperts):
+            continue
+        if pattern is _STACKED:
+            filled = experts.load_stacked(match["param"], tensor)
+        elif match["projection"] in _PROJECTIONS:
+            filled = [experts.load_expert(int(match["expert"]), _PROJECTIONS[match["projection"]], tensor)]
+        else:
+            return None
+        return [(f"{match['module']}.{param}", shard) for param, shard in filled]
+    return None
