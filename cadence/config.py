@@ -54,6 +54,8 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # Sliding and global layers in KV cache groups of their own (cadence/models/kv_groups.py).
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),

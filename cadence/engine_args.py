@@ -57,6 +57,8 @@ class EngineArgs:
     kv_cache_memory: str | int | None = field(default=None, metadata=_flag("KV cache size, e.g. 2GiB (default 1GiB)"))
     num_kv_blocks: int | None = field(default=None, metadata=_flag("KV cache size in blocks (overrides memory)"))
     enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse KV blocks of shared prompt prefixes"))
+    disable_hybrid_kv_cache_manager: bool = field(default=False, metadata=_flag(
+        "one block table for all layers: a model with sliding and global layers then keeps every block"))
     max_num_seqs: int = field(default=128, metadata=_flag("most requests in one step"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         f"token budget of one step (default: {DEFAULT_TOKEN_BUDGET['offline']}; "
@@ -101,6 +103,7 @@ class EngineArgs:
                 kv_cache_memory=None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory),
                 num_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
+                hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

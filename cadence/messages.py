@@ -49,7 +49,7 @@ class NewRequestData(_Message):
     num_prompt_tokens: int
     sampling_params: SamplingParams
     eos_token_id: int | None  # masked while fewer than min_tokens are out
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one table per KV cache group
     num_computed_tokens: int
 
 
@@ -57,7 +57,7 @@ class CachedRequestData(_Message):
     """A request the worker already holds: only what changed."""
 
     request_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # appended to each KV cache group's table
     num_computed_tokens: int
 
 

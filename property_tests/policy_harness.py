@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from cadence.config import SchedulerConfig
-from cadence.core.kv_allocator import KVAllocator
+from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.policies.base import PolicyContext, SchedulingPolicy
@@ -68,7 +68,7 @@ class Trace:
 def build_scheduler(policy: str, options: dict[str, str] | None = None, *, budget: int, max_num_seqs: int,
                     num_blocks: int, block_size: int, prefix_caching: bool = True,
                     engine_chunked: bool = True, long_prefill_token_threshold: int = 0) -> Scheduler:
-    allocator = KVAllocator(num_blocks, block_size, prefix_caching)
+    allocator = KVCacheManager(num_blocks, block_size, prefix_caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              enable_chunked_prefill=engine_chunked,
                              long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
@@ -161,7 +161,7 @@ def _check_step(scheduler: Scheduler, out: SchedulerOutput, on_worker: set[str],
         assert num >= 1
         # num_computed_tokens was advanced when the step was built.
         assert request.num_computed_tokens <= request.num_tokens
-        assert len(allocator.block_ids(request_id)) * allocator.block_size >= request.num_computed_tokens
+        assert len(allocator.block_ids(request_id)[0]) * allocator.block_size >= request.num_computed_tokens
 
 
 def _fake_model(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random,

@@ -59,7 +59,7 @@ class KVAllocatorMachine(RuleBasedStateMachine):
             {h: b.block_id for h, b in a._hash_to_block.items()},
             {rid: a.block_ids(rid) for rid in a._requests},
             [(b.ref_cnt, b.block_hash) for b in a._blocks],
-            len(a._events),
+            len(a._pool.events),
         )
 
     def slot(self, table: list[int], pos: int) -> int:

@@ -16,8 +16,8 @@ EXAMPLES: list[msgspec.Struct] = [
     m.AbortRequests(["r1", "r2"]),
     m.SchedulerOutput(
         step_id=7,
-        new_requests=[m.NewRequestData("r1", [1, 2, 3, 4], 3, PARAMS, 2, [5, 6], 0)],
-        cached_requests=[m.CachedRequestData("r2", [9], 17)],
+        new_requests=[m.NewRequestData("r1", [1, 2, 3, 4], 3, PARAMS, 2, [[5, 6]], 0)],
+        cached_requests=[m.CachedRequestData("r2", [[9]], 17)],
         num_scheduled_tokens={"r1": 4, "r2": 1},
         finished_request_ids=["r0"],
         preempted_request_ids=["r3"],

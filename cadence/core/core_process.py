@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from cadence.config import EngineConfig, threads_per_rank
-from cadence.core.kv_allocator import KVAllocator
+from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.kv_events import fold_kv_events
 from cadence.messages import (
     AbortRequests,
@@ -154,7 +154,7 @@ class _WithKVDelta:
     """The engine core's output channel, with the allocator's KV events since the previous batch
     folded into each output batch (one delta per step, never a message per block)."""
 
-    def __init__(self, outputs: Mailbox[Any], allocator: KVAllocator) -> None:
+    def __init__(self, outputs: Mailbox[Any], allocator: KVCacheManager) -> None:
         self._outputs = outputs
         self._allocator = allocator
 

@@ -15,7 +15,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from cadence.config import EngineConfig
-from cadence.core.kv_allocator import KVAllocator
+from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.scheduler_actor import SchedulerActor
 from cadence.core.step_timing import StepTiming
@@ -24,7 +24,7 @@ from cadence.executor import Executor, create_executor
 from cadence.executor.actor import ExecutorActor
 from cadence.executor.base import UniExecutor
 from cadence.executor.worker import Worker
-from cadence.models.layers import layer_windows
+from cadence.models.kv_groups import kv_cache_groups_of
 from cadence.models.loader import load_hf_config, load_tokenizer
 from cadence.policies.base import PolicyContext
 from cadence.policies.loader import load_policy
@@ -38,7 +38,7 @@ class EngineCore:
     config: EngineConfig
     hf_config: PretrainedConfig
     executor: Executor
-    allocator: KVAllocator
+    allocator: KVCacheManager
     scheduler: Scheduler
     timing: StepTiming = field(default_factory=StepTiming)
 
@@ -58,10 +58,10 @@ class EngineCore:
             long_prefill_token_threshold=sched.long_prefill_token_threshold), sched.policy_options)
         hf_config = load_hf_config(config.model.path)
         executor = create_executor(config, hf_config)
-        # Blocks out of the window go back to the pool only where every layer has the same window.
-        windows = set(layer_windows(hf_config))
-        allocator = KVAllocator(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                sliding_window=windows.pop() if len(windows) == 1 else None)
+        # One allocator per KV cache group, as the workers laid out their caches.
+        groups = kv_cache_groups_of(hf_config, config.cache.hybrid_kv_cache)
+        allocator = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                   windows=groups.windows)
         # Loads the tokenizer and xgrammar only when the first constrained request arrives.
         grammars = StructuredOutputManager(functools.partial(load_tokenizer, config.model.path), hf_config.vocab_size)
         return cls(config, hf_config, executor, allocator, Scheduler(sched, allocator, policy, grammars))

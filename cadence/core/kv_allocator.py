@@ -1,6 +1,8 @@
-"""The paged KV block allocator with prefix caching (vLLM V1's KVCacheManager + BlockPool, small).
+"""One KV cache group's paged block allocator with prefix caching (vLLM V1's single-type manager).
 
-A pool of ``num_blocks`` fixed-size blocks; block 0 is the null block and is never handed out.
+A pool of ``num_blocks`` fixed-size blocks (:class:`cadence.core.block_pool.BlockPool`, shared with
+the model's other KV cache groups under :class:`cadence.core.kv_cache_manager.KVCacheManager`);
+block 0 is the null block and is never handed out.
 Free blocks sit in an intrusive doubly linked list: allocation pops the head, freeing appends to
 the tail, so the least recently freed block is evicted first. A freed block keeps its hash and
 stays findable by prefix lookups until it is reused; a lookup hit on a free block takes it out of
@@ -21,46 +23,59 @@ and for a running one ``allocator.allocate(request, num_new_tokens)``. Call ``fr
 when a request finishes, is aborted or is preempted, and also for one that was only looked up and
 never admitted (the lookup memoizes its block hashes under its id).
 
-With ``sliding_window`` (every layer sees only its last ``window`` keys: Mistral 7B v0.1), the
-blocks before the window of a request's next query (at ``num_computed_tokens``) return to the pool
-at its next allocation, the null block taking their places; they keep their hashes for prefix hits.
+With ``sliding_window`` (the group's layers see only their last ``window`` keys: Mistral 7B v0.1,
+Gemma's sliding layers), the blocks before the window of a request's next query (at
+``num_computed_tokens``) return to the pool at its next allocation, the null block taking their
+places; they keep their hashes for prefix hits. A prefix hit then needs only the blocks that the
+first computed query sees: those before it are the null block in the hit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn
 
-from cadence.core.block_pool import Block, FreeList, IntegrityError, KVRequest, RequestBlocks, hash_block
-from cadence.core.kv_events import AllBlocksCleared, BlockRemoved, KVEvent, stored_events
+from cadence.core.block_pool import (
+    Allocation,
+    Block,
+    BlockPool,
+    IntegrityError,
+    KVRequest,
+    PoolViews,
+    RequestBlocks,
+    check_tables,
+    hash_block,
+)
+from cadence.core.kv_events import BlockRemoved, stored_events
 
 # ---- the allocator -------------------------------------------------------------------------
 
 
-class KVAllocator:
-    """Paged KV blocks for every request, with prefix caching and LRU eviction.
+class KVAllocator(PoolViews):
+    """Paged KV blocks of one KV cache group for every request, with prefix caching and LRU eviction.
 
-    Not thread-safe: the scheduler calls it from one task.
+    Alone (the default) it owns its pool; pass ``pool`` and ``group`` to share one with the other
+    groups of a model (``num_blocks`` is then the pool's size). Not thread-safe: the scheduler
+    calls it from one task.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 enable_kv_events: bool = False, sliding_window: int | None = None) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
+                 enable_kv_events: bool = False, sliding_window: int | None = None, *,
+                 pool: BlockPool | None = None, group: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
-        self._window = sliding_window  # None: keep every block (global layers, or layers that differ)
-        self._num_blocks = num_blocks
+        self._pool = pool or BlockPool(num_blocks, record_events=enable_kv_events)
+        if self._pool.num_blocks != num_blocks:
+            raise ValueError(f"num_blocks={num_blocks} but the shared pool has {self._pool.num_blocks}")
+        self._window = sliding_window  # None: keep every block
+        self._group = group
         self._block_size = block_size
         self._caching = enable_prefix_caching
-        self._record_events = enable_kv_events
-        self._blocks = [Block(i) for i in range(num_blocks)]
-        self._free = FreeList(self._blocks[1:])
-        self._hash_to_block: dict[int, Block] = {}
+        self._blocks = self._pool.blocks
+        self._free = self._pool.free
+        self._hash_to_block = self._pool.cached[group]
         self._requests: dict[str, RequestBlocks] = {}
-        self._events: list[KVEvent] = []
         # Running totals in tokens, for the prefix cache hit-rate metric.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -68,36 +83,8 @@ class KVAllocator:
     # ---- read-only views -------------------------------------------------------------------
 
     @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool, the null block included."""
-        return self._num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self._caching
-
-    @property
-    def enable_kv_events(self) -> bool:
-        return self._record_events
-
-    @enable_kv_events.setter
-    def enable_kv_events(self, on: bool) -> None:
-        """Turn recording on before the first allocation: a subscriber learns only of later changes."""
-        self._record_events = on
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks an allocation could take now (cached-but-free blocks included)."""
-        return self._free.size
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the usable (non-null) blocks held by requests."""
-        return 1.0 - self._free.size / (self._num_blocks - 1)
+    def sliding_window(self) -> int | None:
+        return self._window
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (``[]`` for an unknown request)."""
@@ -106,41 +93,41 @@ class KVAllocator:
 
     def free_block_ids(self) -> list[int]:
         """The free list from head (next evicted) to tail. O(num_blocks): debugging and tests."""
-        ids = []
-        block = self._free.head.next_free
-        while block is not None and block is not self._free.tail:
-            ids.append(block.block_id)
-            block = block.next_free
-        return ids
-
-    def take_events(self) -> list[KVEvent]:
-        """Drain the KV events recorded since the last call (always empty unless enabled)."""
-        events, self._events = self._events, []
-        return events
+        return self._free.ids()
 
     # ---- the scheduler's calls -------------------------------------------------------------
 
     def get_computed_blocks(self, request: KVRequest) -> tuple[list[int], int]:
-        """The longest chain of cached blocks equal to the start of ``request``'s tokens.
+        """The longest prefix of ``request``'s tokens whose KV this group has cached.
 
         Returns ``(block_ids, num_hit_tokens)`` with ``num_hit_tokens == len(block_ids) *
         block_size``, capped at ``num_tokens - 1`` rounded down to whole blocks so that the last
-        token is always computed (its logits are needed). Changes nothing but the
-        ``prefix_cache_*`` counters (and a memo of the request's block hashes, dropped by
+        token is always computed (its logits are needed); see :meth:`find_hits`. Changes nothing
+        but the ``prefix_cache_*`` counters (and a memo of the request's block hashes, dropped by
         :meth:`free`). Pass the result straight to :meth:`allocate`: any allocation in between
         may evict the blocks. ``([], 0)`` when prefix caching is off.
         """
         if not self._caching:
             return [], 0
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = RequestBlocks(request)
-        num_tokens = request.num_tokens
-        max_blocks = (num_tokens - 1) // self._block_size
-        hit_ids: list[int] = []
-        if max_blocks > 0:
-            hashes = state.hashes
-            lookup = self._hash_to_block.get
+        hit_ids = self.find_hits(request, (request.num_tokens - 1) // self._block_size)
+        num_hit_tokens = len(hit_ids) * self._block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hit_ids, num_hit_tokens
+
+    def find_hits(self, request: KVRequest, max_blocks: int) -> list[int]:
+        """The block ids of the longest hit of at most ``max_blocks`` blocks, without counting it.
+
+        Without a window, a hit is a chain of cached blocks from the first. With one, a hit of
+        ``n`` blocks needs only the blocks that the query at ``n * block_size`` sees; the blocks
+        before them are the null block (0) in the answer, and need not be cached.
+        """
+        if not self._caching or max_blocks <= 0:
+            return []
+        hashes = self._state(request).hashes
+        lookup = self._hash_to_block.get
+        if self._window is None:
+            hit_ids: list[int] = []
             # Hash lazily: a miss usually comes early, so most of a long prompt is never hashed.
             for i in range(max_blocks):
                 if i == len(hashes):
@@ -149,10 +136,17 @@ class KVAllocator:
                 if block is None:
                     break
                 hit_ids.append(block.block_id)
-        num_hit_tokens = len(hit_ids) * self._block_size
-        self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return hit_ids, num_hit_tokens
+            return hit_ids
+        self._extend_hashes(request, hashes, max_blocks)
+        found = [lookup(h) for h in hashes[:max_blocks]]
+        best, run_start = 0, 0  # the longest hit so far; where the run of cached blocks up to it starts
+        for n, block in enumerate(found, 1):
+            if block is None:
+                run_start = n
+            if run_start <= self._num_dead(n):
+                best = n
+        num_dead = self._num_dead(best)
+        return [0] * num_dead + [b.block_id for b in found[num_dead:best] if b is not None]
 
     def allocate(self, request: KVRequest, num_new_tokens: int, computed_block_ids: Sequence[int] = (),
                  num_computed_hit_tokens: int = 0) -> list[int] | None:
@@ -163,16 +157,29 @@ class KVAllocator:
         its table (ref count + 1). Both counts are read before the caller advances
         ``num_computed_tokens`` by the hit.
 
-        All or nothing: returns ``None`` and changes nothing when the free pool (minus the free
+        All or nothing: returns ``None`` and takes nothing when the free pool (minus the free
         hit blocks this would take out of it) is too small. Otherwise returns the ids of the
         newly allocated blocks only (the table is :meth:`block_ids`). Reusing a free block that
         carried a hash evicts that hash. Afterwards every block that is full of known tokens is
         registered in the prefix cache, so a later request (even in the same step) can hit it.
+        Blocks out of the window return to the pool first, whatever the answer.
 
         :raises ValueError: on a negative count, hits for a request that already holds blocks,
             a hit count that disagrees with the block ids, or hit blocks that were evicted since
             the lookup.
         """
+        plan = self.plan(request, num_new_tokens, computed_block_ids, num_computed_hit_tokens)
+        if plan.num_taken > self._free.size:
+            return None
+        self.take_hits(plan)
+        return self.fill(plan)
+
+    def plan(self, request: KVRequest, num_new_tokens: int, computed_block_ids: Sequence[int] = (),
+             num_computed_hit_tokens: int = 0) -> Allocation:
+        """:meth:`allocate`'s first part: release what left the window, check the hits and count
+        the blocks needed. Then, if the pool has :attr:`Allocation.num_taken` free blocks,
+        :meth:`take_hits` and :meth:`fill` (after every group has taken its hits, so that no
+        group's new blocks evict another's free hits)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         state = self._requests.get(request.request_id)
@@ -184,28 +191,38 @@ class KVAllocator:
         if computed_block_ids or num_computed_hit_tokens:
             hit_blocks = self._validate_hits(request, state, computed_block_ids, num_computed_hit_tokens)
             # A free hit block leaves the free pool when touched, so it counts against it.
-            num_free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+            num_free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0 and b.block_id != 0)
         num_total = request.num_computed_tokens + num_computed_hit_tokens + num_new_tokens
         num_needed = max(0, -(-num_total // self._block_size) - num_held - len(hit_blocks))
-        if num_needed + num_free_hits > self._free.size:
-            return None
+        return Allocation(request, hit_blocks, num_computed_hit_tokens, num_total, num_needed, num_free_hits)
 
-        if state is None:
-            state = self._requests[request.request_id] = RequestBlocks(request)
+    def take_hits(self, plan: Allocation) -> None:
+        """Prepend the planned hit blocks to the request's table (see :meth:`plan`)."""
+        request = plan.request
+        state = self._state(request)
         state.request = request
-        blocks = state.blocks
-        for block in hit_blocks:
+        if not plan.hit_blocks:
+            return
+        for block in plan.hit_blocks:
+            if block.block_id == 0:
+                state.num_released += 1  # before the window: never needed
+                continue
             if block.ref_cnt == 0:
                 self._free.remove(block)
             block.ref_cnt += 1
-        blocks.extend(hit_blocks)
-        state.num_cached = max(state.num_cached, len(hit_blocks))
-        new_blocks = self._take_free_blocks(num_needed)
-        blocks.extend(new_blocks)
-        if self._window is not None and hit_blocks:  # hit blocks may lie before the window already
-            self._release_out_of_window(state, request.num_computed_tokens + num_computed_hit_tokens)
+        state.blocks.extend(plan.hit_blocks)
+        state.num_cached = max(state.num_cached, len(plan.hit_blocks))
+
+    def fill(self, plan: Allocation) -> list[int]:
+        """Take the planned new blocks and offer the full ones to the prefix cache (see :meth:`plan`)."""
+        request = plan.request
+        state = self._requests[request.request_id]
+        new_blocks = self._pool.take(plan.num_needed)
+        state.blocks.extend(new_blocks)
+        if self._window is not None and plan.hit_blocks:  # hit blocks may lie before the window already
+            self._release_out_of_window(state, request.num_computed_tokens + plan.num_hit_tokens)
         if self._caching:
-            num_full = min(num_total, request.num_tokens) // self._block_size
+            num_full = min(plan.num_total_tokens, request.num_tokens) // self._block_size
             if num_full > state.num_cached:
                 self._cache_full_blocks(request, state, num_full)
         return [b.block_id for b in new_blocks]
@@ -221,6 +238,7 @@ class KVAllocator:
         ``num_computed_tokens`` on preemption, or the request's cached prefix is lost. Also drops
         the request's hash memo, so call it for a request that was only looked up.
         """
+        self._pool.hashes.pop(request_id, None)
         state = self._requests.pop(request_id, None)
         if state is None:
             return
@@ -234,24 +252,28 @@ class KVAllocator:
             if block.ref_cnt == 0:
                 if i >= num_written and block.block_hash is not None:
                     unwritten.append(block.block_hash)
-                    del self._hash_to_block[block.block_hash]
-                    block.block_hash = None
+                    self._pool.uncache(block)
                 append(block)
-        if unwritten and self._record_events:
-            self._events.append(BlockRemoved(unwritten))
+        if unwritten and self._group == 0 and self._pool.record_events:
+            self._pool.events.append(BlockRemoved(unwritten))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (``False``) while any block is held."""
-        if self._free.size != self._num_blocks - 1:
-            return False
-        for block in self._hash_to_block.values():
-            block.block_hash = None
-        self._hash_to_block.clear()
-        if self._record_events:
-            self._events.append(AllBlocksCleared())
-        return True
+        return self._pool.reset_prefix_cache()
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _state(self, request: KVRequest) -> RequestBlocks:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            hashes = self._pool.hashes.setdefault(request.request_id, [])
+            state = self._requests[request.request_id] = RequestBlocks(request, hashes)
+        return state
+
+    def _num_dead(self, num_computed_blocks: int) -> int:
+        """Blocks before the window of the query that follows ``num_computed_blocks`` blocks."""
+        window = self._window or 0
+        return max(0, num_computed_blocks * self._block_size - window + 1) // self._block_size if window else 0
 
     def _validate_hits(self, request: KVRequest, state: RequestBlocks | None, hit_ids: Sequence[int],
                        num_hit_tokens: int) -> list[Block]:
@@ -266,9 +288,12 @@ class KVAllocator:
         if state is None or len(state.hashes) < len(hit_ids):
             raise ValueError("prefix hits must come from get_computed_blocks() for this request")
         hit_blocks = [self._blocks[i] for i in hit_ids]
+        num_dead = self._num_dead(len(hit_ids))
         # Cheap guard against a lookup gone stale (another allocation evicted a hit block).
-        for block, expected in zip(hit_blocks, state.hashes, strict=False):
-            if block.block_hash != expected:
+        for i, (block, expected) in enumerate(zip(hit_blocks, state.hashes, strict=False)):
+            if block.block_id == 0 and i < num_dead and (i == 0 or hit_blocks[i - 1].block_id == 0):
+                continue  # before the window: the hit needs no block there
+            if block.block_hash != expected or block.group != self._group:
                 raise ValueError(f"prefix hit block {block.block_id} was evicted after "
                                  "get_computed_blocks(); allocate right after the lookup")
         return hit_blocks
@@ -285,22 +310,6 @@ class KVAllocator:
         if self._caching and state.num_released > state.num_cached:  # released before offered: never offered
             self._extend_hashes(state.request, state.hashes, state.num_released)
             state.num_cached = state.num_released
-
-    def _take_free_blocks(self, n: int) -> list[Block]:
-        taken = []
-        evicted = []
-        popleft = self._free.popleft
-        for _ in range(n):
-            block = popleft()
-            if block.block_hash is not None:
-                del self._hash_to_block[block.block_hash]
-                evicted.append(block.block_hash)
-                block.block_hash = None
-            block.ref_cnt = 1
-            taken.append(block)
-        if evicted and self._record_events:
-            self._events.append(BlockRemoved(evicted))
-        return taken
 
     def _extend_hashes(self, request: KVRequest, hashes: list[int], n: int) -> None:
         """Hash the request's full blocks up to block ``n`` (exclusive), from where the memo ends."""
@@ -323,67 +332,27 @@ class KVAllocator:
             if h not in cache:
                 block = state.blocks[i]
                 block.block_hash = h
+                block.group = self._group
                 cache[h] = block
                 stored.append(i)
-        if stored and self._record_events:
-            self._events.extend(stored_events(request.all_token_ids, hashes, stored, self._block_size))
+        if stored and self._group == 0 and self._pool.record_events:
+            self._pool.events.extend(stored_events(request.all_token_ids, hashes, stored, self._block_size))
         state.num_cached = num_full
 
     # ---- invariants ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Verify every invariant of the pool; O(num_blocks + table sizes), for tests and debug.
+        """Verify every invariant of the pool and of this group's tables; O(num_blocks + table
+        sizes), for tests and debug. Alone only: a shared pool is checked by its manager.
 
         :raises RuntimeError: naming the first invariant found broken.
         """
-        free_ids = self._check_free_list()
-        holders = self._check_tables()
-        num_in_use = 0
-        for block in self._blocks[1:]:
-            if block.ref_cnt != holders[block.block_id]:
-                _broken(f"block {block.block_id} has ref count {block.ref_cnt} but "
-                        f"{holders[block.block_id]} request tables hold it")
-            if (block.block_id in free_ids) != (block.ref_cnt == 0):
-                _broken(f"block {block.block_id} (ref count {block.ref_cnt}) breaks 'in the free list "
-                        "iff its ref count is 0'")
-            num_in_use += block.ref_cnt > 0
-            if block.block_hash is not None and self._hash_to_block.get(block.block_hash) is not block:
-                _broken(f"block {block.block_id} carries a hash the cache does not map to it")
-        if num_in_use + len(free_ids) != self._num_blocks - 1:
-            _broken(f"{num_in_use} in use + {len(free_ids)} free != {self._num_blocks - 1} usable blocks")
-        for h, block in self._hash_to_block.items():
-            if block.block_hash != h:
-                _broken(f"hash {h} maps to block {block.block_id}, which carries {block.block_hash}")
+        holders = [0] * self._pool.num_blocks
+        self.check_tables(holders)
+        self._pool.check(holders)
+
+    def check_tables(self, holders: list[int]) -> None:
+        """Check each request table of this group, adding to ``holders`` how many hold each block."""
+        check_tables(self._requests, self._group, holders)
         if not self._caching and self._hash_to_block:
-            _broken("prefix caching is off but blocks are cached")
-
-    def _check_free_list(self) -> set[int]:
-        free_ids = self._free.check_links(self._num_blocks)
-        null = self._blocks[0]
-        if 0 in free_ids or null.ref_cnt != 0 or null.block_hash is not None:
-            _broken("the null block was handed out, freed or hashed")
-        return free_ids
-
-    def _check_tables(self) -> list[int]:
-        """How many request tables hold each block; checks each table on the way."""
-        holders = [0] * self._num_blocks
-        for request_id, state in self._requests.items():
-            seen: set[int] = set()
-            if any(block.block_id != 0 for block in state.blocks[:state.num_released]):
-                _broken(f"request {request_id!r} still holds a block it released")
-            for block in state.blocks[state.num_released:]:
-                if block.block_id in seen or block.block_id == 0:
-                    _broken(f"request {request_id!r} holds block {block.block_id} twice or the null block")
-                seen.add(block.block_id)
-                holders[block.block_id] += 1
-            if state.num_cached > min(len(state.blocks), len(state.hashes)):
-                _broken(f"request {request_id!r} counts more cached blocks than it holds or has hashed")
-            for block, h in zip(state.blocks[state.num_released:state.num_cached],
-                                state.hashes[state.num_released:], strict=False):
-                if block.block_hash is not None and block.block_hash != h:
-                    _broken(f"request {request_id!r} block {block.block_id} carries a foreign hash")
-        return holders
-
-
-def _broken(message: str) -> NoReturn:
-    raise IntegrityError(f"KV allocator integrity: {message}")
+            raise IntegrityError("KV allocator integrity: prefix caching is off but blocks are cached")

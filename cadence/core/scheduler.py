@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cadence.config import SchedulerConfig
-from cadence.core.kv_allocator import KVAllocator
+from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.structured_output import StructuredOutputManager
 from cadence.messages import (
     CachedRequestData,
@@ -44,11 +44,11 @@ class _StepPlan:
 
     budget: int
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
-    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # per KV cache group
     preempted: list[Request] = field(default_factory=list)
     preempted_for_running: bool = False
 
-    def take(self, request: Request, num: int, blocks: list[int]) -> None:
+    def take(self, request: Request, num: int, blocks: list[list[int]]) -> None:
         self.scheduled[request.request_id] = num
         self.new_blocks[request.request_id] = blocks
         self.budget -= num
@@ -59,7 +59,7 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: KVAllocator, policy: SchedulingPolicy,
+    def __init__(self, config: SchedulerConfig, allocator: KVCacheManager, policy: SchedulingPolicy,
                  structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.allocator = allocator
@@ -218,7 +218,7 @@ class Scheduler:
             if blocks is not None:
                 step.take(request, num, blocks)
 
-    def _allocate_or_preempt(self, request: Request, num: int, step: _StepPlan) -> list[int] | None:
+    def _allocate_or_preempt(self, request: Request, num: int, step: _StepPlan) -> list[list[int]] | None:
         """Blocks for ``num`` more tokens of a running request, preempting others until they fit."""
         while True:
             blocks = self.allocator.allocate(request, num)

@@ -109,9 +109,8 @@ class SchedulerActor(Actor[SchedulerInbox]):
             # Not answered: an output under this id would end the live request that holds it.
             logger.warning("dropped a request whose id %r is already in the engine", message.request_id)
             return
-        allocator = self.scheduler.allocator
         error = request_error(message, self.vocab_size, self.max_model_len,
-                              (allocator.num_blocks - 1) * allocator.block_size)
+                              self.scheduler.allocator.capacity_tokens)
         if error is None:
             try:
                 self.scheduler.add_request(Request(

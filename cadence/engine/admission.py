@@ -15,6 +15,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from cadence.config import EngineConfig
 from cadence.core.structured_output import check_constraint
 from cadence.errors import InvalidRequestError
+from cadence.models.kv_groups import kv_cache_groups_of, kv_capacity_tokens
 from cadence.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -26,7 +27,7 @@ class ModelLimits:
 
     max_model_len: int
     vocab_size: int
-    kv_capacity_tokens: int  # tokens the whole KV pool holds
+    kv_capacity_tokens: int  # the longest request the KV pool holds for sure
     eos_token_id: int | None
 
     @classmethod
@@ -34,7 +35,9 @@ class ModelLimits:
            tokenizer: PreTrainedTokenizerBase) -> ModelLimits:
         """The limits of a model served with ``config`` from a KV pool of ``num_blocks`` (null block included)."""
         return cls(max_model_len=config.model.max_model_len, vocab_size=hf_config.vocab_size,
-                   kv_capacity_tokens=(num_blocks - 1) * config.cache.block_size,
+                   kv_capacity_tokens=kv_capacity_tokens(
+                       num_blocks, config.cache.block_size,
+                       kv_cache_groups_of(hf_config, config.cache.hybrid_kv_cache).num_groups),
                    eos_token_id=tokenizer.eos_token_id)
 
 

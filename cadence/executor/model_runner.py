@@ -3,6 +3,10 @@
 The scheduler sends new requests whole and running ones as deltas; the runner keeps each request's
 tokens and block table between steps and appends the tokens it samples itself, so a decode step
 needs no token ids from the scheduler.
+
+A request has a block table per KV cache group (docs/architecture.md, "KV cache groups"); each
+step builds one batch layout per group, the backend's metadata of each, and hands the model one
+metadata per layer (its group's).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class CachedRequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     # Rebuilt only when the outputs change; the sampler reads it for penalties and seeds.
     _row: SamplingRow | None = field(default=None, repr=False)
@@ -40,7 +44,7 @@ class CachedRequestState:
             output_token_ids=data.token_ids[data.num_prompt_tokens:],
             sampling_params=data.sampling_params,
             eos_token_id=data.eos_token_id,
-            block_ids=list(data.block_ids),
+            block_ids=[list(ids) for ids in data.block_ids],
             num_computed_tokens=data.num_computed_tokens,
         )
 
@@ -69,7 +73,7 @@ class CachedRequestState:
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    layout: BatchLayout
+    layouts: list[BatchLayout]  # per KV cache group
     logits_indices: torch.Tensor
     sampled_states: list[CachedRequestState]
 
@@ -85,10 +89,13 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         sampler: Sampler | None = None,  # a tensor-parallel worker passes one that broadcasts rank 0's tokens
+        layer_groups: list[int] | None = None,  # each layer's KV cache group (default: one group)
     ) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
+        self.layer_groups = layer_groups or [0] * len(kv_caches)
+        self.num_groups = max(self.layer_groups) + 1
         self.block_size = block_size
         self.device = device
         self.sampler = sampler or Sampler()
@@ -99,7 +106,8 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(scheduler_output.step_id, [], [])
         inputs = self._prepare_inputs(scheduler_output)
-        metadata = self.backend.build_metadata(inputs.layout, self.device)
+        per_group = [self.backend.build_metadata(layout, self.device) for layout in inputs.layouts]
+        metadata = [per_group[g] for g in self.layer_groups]
         with torch.inference_mode():
             forward_start = time.perf_counter()
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata,
@@ -131,17 +139,16 @@ class ModelRunner:
             self.states[new.request_id] = CachedRequestState.from_new(new)
         for cached in out.cached_requests:
             state = self.states[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for ids, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        bs = self.block_size
         num_reqs = len(out.num_scheduled_tokens)
         counts = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start_loc[1:])
         seq_lens = np.empty(num_reqs, dtype=np.int64)
-        max_blocks = 1
         input_ids: list[int] = []
         sampled_states: list[CachedRequestState] = []
         logits_indices: list[int] = []
@@ -151,31 +158,38 @@ class ModelRunner:
             end = start + int(counts[i])
             seq_lens[i] = end
             input_ids.extend(state.token_slice(start, end))
-            max_blocks = max(max_blocks, len(state.block_ids))
             if end == state.num_tokens:
                 sampled_states.append(state)
                 logits_indices.append(int(query_start_loc[i + 1]) - 1)
             state.num_computed_tokens = end
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        for i, state in enumerate(states):
-            block_table[i, :len(state.block_ids)] = state.block_ids
         # Positions run from each request's first new token to its last.
         positions = np.arange(int(query_start_loc[-1]), dtype=np.int64) - np.repeat(
             query_start_loc[:-1] - (seq_lens - counts), counts)
-        req_index = np.repeat(np.arange(num_reqs), counts)
-        slot_mapping = block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
-        layout = BatchLayout(
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            block_table=torch.from_numpy(block_table),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            max_query_len=int(counts.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
+        query_start = torch.from_numpy(query_start_loc.astype(np.int32))
+        lens = torch.from_numpy(seq_lens.astype(np.int32))
+        max_query_len, max_seq_len = int(counts.max()), int(seq_lens.max())
+        layouts = [BatchLayout(query_start, lens, block_table, slot_mapping, max_query_len, max_seq_len)
+                   for block_table, slot_mapping in self._slots(states, counts, positions)]
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(positions).to(self.device),
-            layout=layout,
+            layouts=layouts,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
             sampled_states=sampled_states,
         )
+
+    def _slots(self, states: list[CachedRequestState], counts: np.ndarray,
+               positions: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each KV cache group's block table (padded with the null block) and the step's slots in it."""
+        bs = self.block_size
+        req_index = np.repeat(np.arange(len(states)), counts)
+        block_index, offsets = positions // bs, positions % bs
+        tables = []
+        for group in range(self.num_groups):
+            block_table = np.zeros((len(states), max(1, max(len(s.block_ids[group]) for s in states))), dtype=np.int32)
+            for i, state in enumerate(states):
+                ids = state.block_ids[group]
+                block_table[i, :len(ids)] = ids
+            slot_mapping = block_table[req_index, block_index].astype(np.int64) * bs + offsets
+            tables.append((torch.from_numpy(block_table), torch.from_numpy(slot_mapping)))
+        return tables

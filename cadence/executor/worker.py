@@ -23,6 +23,7 @@ from cadence.executor.model_runner import ModelRunner
 from cadence.executor.sampler import Sampler, SamplerOutput
 from cadence.executor.sampling_plan import SamplingRow
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
+from cadence.models.kv_groups import kv_cache_groups_of
 from cadence.models.layers import head_dim_of
 from cadence.models.loader import load_model
 from cadence.startup_log import startup
@@ -64,14 +65,18 @@ class Worker:
         # the block count the allocator hands out.
         most_kv_heads = head_shard(hf_config.num_attention_heads, hf_config.num_key_value_heads, 0,
                                    group.world_size).kv.size
-        self.num_blocks = num_kv_blocks(config.cache, hf_config.num_hidden_layers, most_kv_heads, head_dim, dtype)
+        # A block spans the layers of one KV cache group: group_size cache tensors, shared by the
+        # groups (docs/architecture.md, "KV cache groups").
+        groups = kv_cache_groups_of(hf_config, config.cache.hybrid_kv_cache)
+        self.num_blocks = num_kv_blocks(config.cache, groups.group_size, most_kv_heads, head_dim, dtype)
         shape = backend_cls.kv_cache_shape(self.num_blocks, config.cache.block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padded reads of unwritten slots are masked, and 0 * NaN would not be.
-        kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                     for _ in range(hf_config.num_hidden_layers)]
+        tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for _ in range(groups.group_size)]
         sampler = BroadcastSampler(group) if group.world_size > 1 else None
-        self.runner = ModelRunner(model, model.attn_backend, kv_caches, config.cache.block_size, device, sampler)
-        kv_bytes = sum(k.nbytes + v.nbytes for k, v in kv_caches)
+        self.runner = ModelRunner(model, model.attn_backend, [tensors[slot] for slot in groups.slot_of_layer],
+                                  config.cache.block_size, device, sampler, groups.group_of_layer)
+        kv_bytes = sum(k.nbytes + v.nbytes for k, v in tensors)
         ranks = f", rank {group.rank} of {group.world_size}" if group.world_size > 1 else ""
         progress("KV cache: %d blocks of %d tokens (%.2f GiB%s); ready in %.1f s", self.num_blocks,
                  config.cache.block_size, kv_bytes / (1 << 30), ranks, time.monotonic() - start)
@@ -110,7 +115,8 @@ def _rank_device(device: torch.device, local_rank: int) -> torch.device:
 
 def num_kv_blocks(cache: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                   dtype: torch.dtype) -> int:
-    """Blocks that fit the configured memory (or the configured count), null block included."""
+    """Blocks of ``num_layers`` layers each that fit the configured memory (or the configured
+    count), null block included."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     bytes_per_block = 2 * num_layers * cache.block_size * num_kv_heads * head_dim * dtype.itemsize

@@ -22,7 +22,7 @@ whole on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import torch
@@ -134,13 +134,14 @@ class Gemma2ForCausalLM(CausalLM):
         return self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: object,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: Sequence[object],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """As :meth:`cadence.models.llama.LlamaForCausalLM.forward`."""
         ropes = {kind: rotary(positions) for kind, rotary in self.rotary_emb.items()}
         h = self.model.embed_tokens(input_ids) * self.embed_scale
-        for layer, kind, kv_cache in zip(self.model.layers, self.rope_kinds, kv_caches, strict=True):
-            h = layer(h, ropes[kind], kv_cache, attn_metadata)
+        for layer, kind, kv_cache, metadata in zip(self.model.layers, self.rope_kinds, kv_caches, attn_metadata,
+                                                   strict=True):
+            h = layer(h, ropes[kind], kv_cache, metadata)
         logits = self._lm_head.logits(self.model.norm(h[logits_indices])).float()
         if self.final_soft_cap is not None:
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap

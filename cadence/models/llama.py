@@ -15,7 +15,7 @@ row-parallel o and down with an all-reduce) and its vocabulary rows (embedding a
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
 import torch
@@ -205,19 +205,19 @@ class LlamaForCausalLM(CausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: object,
+        attn_metadata: Sequence[object],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Run the step's ``T`` tokens; return fp32 logits ``[B, vocab]`` of the rows ``logits_indices``.
 
         ``input_ids`` and ``positions`` are ``[T]`` int64 on the model's device; ``kv_caches``
-        holds one ``(k_cache, v_cache)`` per layer; ``attn_metadata`` comes from this model's
-        backend class's ``build_metadata`` for the same step.
+        holds one ``(k_cache, v_cache)`` per layer and ``attn_metadata`` one metadata per layer
+        (built by this model's backend's ``build_metadata`` for the layer's KV cache group).
         """
         rope = self.rotary_emb(positions)
         h, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, rope, kv_cache, attn_metadata)
+        for layer, kv_cache, metadata in zip(self.model.layers, kv_caches, attn_metadata, strict=True):
+            h, residual = layer(h, residual, rope, kv_cache, metadata)
         # The norm is per token and the LM head is the largest GEMM: run both on sampled rows only.
         assert residual is not None  # every model has layers
         h, _ = self.model.norm.add_forward(h[logits_indices], residual[logits_indices])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
 
 import torch
@@ -41,10 +41,11 @@ class CausalLM(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: object,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: Sequence[object],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Run the step's ``T`` tokens (``input_ids``, ``positions``: ``[T]`` int64), reading and
-        writing K/V through the backend; fp32 logits ``[len(logits_indices), vocab]``."""
+        writing K/V through the backend, layer ``i`` with ``kv_caches[i]`` and ``attn_metadata[i]``
+        (its KV cache group's); fp32 logits ``[len(logits_indices), vocab]``."""
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, TenantShare, compute_metrics, tenant_shares
 from cadence.config import SchedulerConfig
-from cadence.core.kv_allocator import KVAllocator
+from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.messages import SchedulerOutput
 from cadence.policies.base import PolicyContext, SchedulingPolicy
@@ -206,7 +206,7 @@ def simulate(
         policy = load_policy(policy, limits.policy_context(), policy_options)
     else:
         name = policy.name
-    allocator = KVAllocator(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching)
+    allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching)
     scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, policy)
     run = _Run(workload, limits, scheduler, SimulatedRunner(cost_model), seed, on_step, max_steps)
     started = time.perf_counter()

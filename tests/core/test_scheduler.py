@@ -1,6 +1,6 @@
 """Exact, step-by-step tests of the scheduler through its public interface, without a model.
 
-Each test builds ``Scheduler(SchedulerConfig, KVAllocator, policy)`` directly, adds requests, and
+Each test builds ``Scheduler(SchedulerConfig, KVCacheManager, policy)`` directly, adds requests, and
 plays the model: after every ``schedule()`` it samples one token for each request whose scheduled
 tokens reached its end and feeds it back with ``update_from_output``. Every step also checks the
 token budget, the seat limit and the block accounting (each running request holds exactly
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from cadence.config import SchedulerConfig
-from cadence.core.kv_allocator import KVAllocator
+from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.messages import (
     CachedRequestData,
@@ -58,7 +58,7 @@ def make_scheduler(policy: str | type[SchedulingPolicy] = "fcfs", *, budget: int
                              long_prefill_token_threshold=threshold, policy=name, policy_options=options or {})
     context = PolicyContext(budget, seats, engine_chunked, threshold)
     instance = load_policy(policy, context, options) if isinstance(policy, str) else policy(context, options)
-    return Scheduler(config, KVAllocator(num_blocks, BS, caching), instance)
+    return Scheduler(config, KVCacheManager(num_blocks, BS, caching), instance)
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int | None = 16, *, priority: int = 0,
@@ -92,11 +92,11 @@ def check_accounting(scheduler: Scheduler, out: SchedulerOutput | None = None) -
     assert len(scheduler.running) <= config.max_num_seqs
     held: set[int] = set()
     for r in scheduler.running:
-        ids = allocator.block_ids(r.request_id)
+        (ids,) = allocator.block_ids(r.request_id)  # one KV cache group
         assert len(ids) == -(-r.num_computed_tokens // BS), f"{r} holds {len(ids)} blocks"
         held.update(ids)
     for r in scheduler.waiting:
-        assert allocator.block_ids(r.request_id) == [], f"waiting {r} holds blocks"
+        assert allocator.block_ids(r.request_id) == [[]], f"waiting {r} holds blocks"
         assert r.num_computed_tokens == 0
     assert set(scheduler.requests) == {r.request_id for r in [*scheduler.running, *scheduler.waiting]}
     assert allocator.num_free_blocks == allocator.num_blocks - 1 - len(held)
@@ -304,7 +304,7 @@ def test_blocks_running_out_preempts_the_most_recently_admitted_to_the_front_of_
     scheduler.add_request(request("b", toks(200, 4), max_tokens=5))
     first = step(scheduler)
     assert first.scheduled == [("a", 8), ("b", 4)]
-    assert scheduler.allocator.block_ids("a") == [1, 2] and scheduler.allocator.block_ids("b") == [3]
+    assert scheduler.allocator.block_ids("a") == [[1, 2]] and scheduler.allocator.block_ids("b") == [[3]]
     assert scheduler.allocator.num_free_blocks == 0
 
     b = scheduler.requests["b"]
@@ -313,7 +313,7 @@ def test_blocks_running_out_preempts_the_most_recently_admitted_to_the_front_of_
     second = step(scheduler)
     assert second.scheduled == [("a", 1)]
     assert second.out.preempted_request_ids == ["b"]
-    assert second.out.cached_requests == [CachedRequestData("a", [3], 8)]
+    assert second.out.cached_requests == [CachedRequestData("a", [[3]], 8)]
     assert second.out.new_requests == []
     assert ids(scheduler.waiting) == ["b", "c"]  # back in front; nobody admitted in this step
     assert b.status == RequestStatus.PREEMPTED
@@ -332,9 +332,9 @@ def test_blocks_running_out_preempts_the_most_recently_admitted_to_the_front_of_
     assert fourth.scheduled == [("b", 5), ("c", 2)]
     assert fourth.out.new_requests[0] == NewRequestData(
         request_id="b", token_ids=[*toks(200, 4), TOKEN], num_prompt_tokens=4, sampling_params=b.sampling_params,
-        eos_token_id=EOS, block_ids=[3, 2], num_computed_tokens=0)
+        eos_token_id=EOS, block_ids=[[3, 2]], num_computed_tokens=0)
     assert [n.request_id for n in fourth.out.new_requests] == ["b", "c"]
-    assert scheduler.allocator.block_ids("c") == [1]
+    assert scheduler.allocator.block_ids("c") == [[1]]
     assert b.num_preemptions == 1 and scheduler.num_preemptions == 1
     run_to_end(scheduler)
 
@@ -390,7 +390,7 @@ def test_priority_preempts_a_lower_priority_running_request_for_a_higher_waiting
     assert fourth.scheduled == [("low", 1)]
     assert fourth.out.new_requests[0].token_ids == [*toks(100, 4), TOKEN]
     assert fourth.out.new_requests[0].num_computed_tokens == 4
-    assert fourth.out.new_requests[0].block_ids == [1, 4]
+    assert fourth.out.new_requests[0].block_ids == [[1, 4]]
     assert low.num_cached_tokens == 4
     assert scheduler.num_preemptions == 1
 
@@ -443,7 +443,7 @@ def test_a_prefix_hit_reaches_the_policy_and_only_the_remainder_is_scheduled(cac
     assert second.scheduled == [("a", 1), ("b", 4)]
     assert second.out.new_requests == [NewRequestData(
         request_id="b", token_ids=b.prompt_token_ids, num_prompt_tokens=12, sampling_params=b.sampling_params,
-        eos_token_id=EOS, block_ids=[1, 2, 4], num_computed_tokens=8)]
+        eos_token_id=EOS, block_ids=[[1, 2, 4]], num_computed_tokens=8)]
     assert b.num_cached_tokens == 2 * BS
     assert [(o.request_id, o.num_cached_tokens) for o in second.outputs] == [("a", 0), ("b", 8)]
     assert scheduler.allocator.num_free_blocks == 32 - 4  # blocks 1 and 2 are shared
@@ -461,13 +461,13 @@ def test_new_requests_are_sent_whole_once_then_as_deltas_and_finishes_are_report
     outs = [step(scheduler).out for _ in range(4)]
     assert outs[0].new_requests == [NewRequestData(
         request_id="a", token_ids=toks(1, 10), num_prompt_tokens=10, sampling_params=a.sampling_params,
-        eos_token_id=EOS, block_ids=[1], num_computed_tokens=0)]
+        eos_token_id=EOS, block_ids=[[1]], num_computed_tokens=0)]
     assert [o.new_requests for o in outs[1:]] == [[], [], []]
     assert [o.cached_requests for o in outs] == [
         [],
-        [CachedRequestData("a", [2], 4)],
-        [CachedRequestData("a", [3], 8)],
-        [CachedRequestData("a", [], 10)],
+        [CachedRequestData("a", [[2]], 4)],
+        [CachedRequestData("a", [[3]], 8)],
+        [CachedRequestData("a", [[]], 10)],
     ]
     assert [o.num_scheduled_tokens for o in outs] == [{"a": 4}, {"a": 4}, {"a": 2}, {"a": 1}]
     assert [o.step_id for o in outs] == [1, 2, 3, 4]

@@ -17,7 +17,7 @@ import anyio.lowlevel
 import pytest
 
 from cadence.config import SchedulerConfig
-from cadence.core.kv_allocator import KVAllocator
+from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.scheduler_actor import SchedulerActor
 from cadence.core.step_timing import StepTiming
@@ -46,7 +46,7 @@ TIMEOUT_S = 10
 def make_actor(*, budget: int = 64, engine_chunked: bool = True, num_blocks: int = NUM_BLOCKS) -> SchedulerActor:
     config = SchedulerConfig(max_num_batched_tokens=budget, enable_chunked_prefill=engine_chunked)
     policy = load_policy("fcfs", PolicyContext(budget, config.max_num_seqs, engine_chunked, 0))
-    scheduler = Scheduler(config, KVAllocator(num_blocks, BS), policy)
+    scheduler = Scheduler(config, KVCacheManager(num_blocks, BS), policy)
     return SchedulerActor(scheduler, max_model_len=64, timing=StepTiming(), vocab_size=VOCAB)
 
 

@@ -119,12 +119,12 @@ def test_a_chunked_prefill_on_the_real_model_picks_the_whole_prefills_tokens(mak
     params = SamplingParams(temperature=0.0, logprobs=3)
 
     def request(request_id: str, blocks: list[int]) -> NewRequestData:
-        return NewRequestData(request_id, prompt, len(prompt), params, None, blocks, 0)
+        return NewRequestData(request_id, prompt, len(prompt), params, None, [blocks], 0)
 
     try:
         whole = executor.execute_model(step(1, {"w": 7, "c": 4}, [request("w", [1, 2]), request("c", [3])]))
         assert whole.request_ids == ["w"]
-        chunked = executor.execute_model(step(2, {"c": 3}, cached=[CachedRequestData("c", [4], 4)]))
+        chunked = executor.execute_model(step(2, {"c": 3}, cached=[CachedRequestData("c", [[4]], 4)]))
         assert chunked.request_ids == ["c"]
         assert chunked.sampled_token_ids == whole.sampled_token_ids
         assert whole.logprobs is not None and chunked.logprobs is not None
@@ -132,7 +132,7 @@ def test_a_chunked_prefill_on_the_real_model_picks_the_whole_prefills_tokens(mak
         torch.testing.assert_close(chunked.logprobs[0].logprobs, whole.logprobs[0].logprobs, atol=1e-5, rtol=0)
 
         decode = executor.execute_model(step(3, {"w": 1, "c": 1},
-                                             cached=[CachedRequestData("w", [], 7), CachedRequestData("c", [], 7)]))
+                                             cached=[CachedRequestData("w", [[]], 7), CachedRequestData("c", [[]], 7)]))
         assert decode.request_ids == ["w", "c"]
         assert decode.sampled_token_ids[0] == decode.sampled_token_ids[1]
         assert decode.logprobs is not None
@@ -297,8 +297,8 @@ class EchoWorker:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_worker_process_runs_every_published_step_and_only_rank_zero_replies(rank: int) -> None:
-    steps = [step(1, {"a": 3}, [NewRequestData("a", [1, 2, 3], 3, SamplingParams(seed=4), 0, [1], 0)]),
-             step(2, {"a": 1}, cached=[CachedRequestData("a", [], 3)])]
+    steps = [step(1, {"a": 3}, [NewRequestData("a", [1, 2, 3], 3, SamplingParams(seed=4), 0, [[1]], 0)]),
+             step(2, {"a": 1}, cached=[CachedRequestData("a", [[]], 3)])]
     step_codec: Codec[SchedulerOutput] = Codec(SchedulerOutput)
     reply_codec: Codec[WorkerReply] = Codec(WorkerReply)
     worker, replies = EchoWorker(), FakeReplies()

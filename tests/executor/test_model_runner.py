@@ -94,13 +94,13 @@ def next_token(token: int, position: int) -> int:
 
 
 class Harness:
-    def __init__(self) -> None:
+    def __init__(self, layer_groups: list[int] | None = None) -> None:
         self.model = SpyModel()
         self.backend = SpyBackend()
         self.sampler = SpySampler()
-        self.kv_caches = [(torch.zeros(1), torch.zeros(1))]
+        self.kv_caches = [(torch.zeros(1), torch.zeros(1)) for _ in layer_groups or [0]]
         self.runner = ModelRunner(self.model, self.backend, self.kv_caches, BLOCK_SIZE, CPU,  # type: ignore[arg-type]
-                                  self.sampler)
+                                  self.sampler, layer_groups)
 
     def run(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(step)
@@ -122,13 +122,13 @@ def new(request_id: str, token_ids: list[int], block_ids: list[int], num_prompt_
         num_prompt_tokens=len(token_ids) if num_prompt_tokens is None else num_prompt_tokens,
         sampling_params=params,
         eos_token_id=eos,
-        block_ids=block_ids,
+        block_ids=[block_ids],  # one KV cache group
         num_computed_tokens=num_computed_tokens,
     )
 
 
 def cached(request_id: str, num_computed_tokens: int, new_block_ids: Sequence[int] = ()) -> CachedRequestData:
-    return CachedRequestData(request_id, list(new_block_ids), num_computed_tokens)
+    return CachedRequestData(request_id, [list(new_block_ids)], num_computed_tokens)
 
 
 def step(step_id: int, scheduled: dict[str, int], new_requests: Sequence[NewRequestData] = (),
@@ -180,7 +180,7 @@ def test_prefill_of_new_requests_lays_out_tokens_positions_slots_and_blocks() ->
     assert_layout(h.layout, query_start_loc=[0, 3, 8], seq_lens=[3, 5], block_table=[[3, 0], [5, 2]],
                   slot_mapping=[12, 13, 14, 20, 21, 22, 23, 8])
     assert h.forward.logits_indices == [2, 7]  # each request's last token
-    assert h.forward.kv_caches is h.kv_caches and h.forward.metadata is h.layout
+    assert h.forward.kv_caches is h.kv_caches and h.forward.metadata == [h.layout]  # one layer
 
     assert out.step_id == 1
     assert out.request_ids == ["a", "b"]
@@ -188,8 +188,29 @@ def test_prefill_of_new_requests_lays_out_tokens_positions_slots_and_blocks() ->
     assert out.logprobs is None
 
     a, b = h.runner.states["a"], h.runner.states["b"]
-    assert (a.prompt_token_ids, a.output_token_ids, a.block_ids, a.num_computed_tokens) == (A, [14], [3], 3)
-    assert (b.prompt_token_ids, b.output_token_ids, b.block_ids, b.num_computed_tokens) == (B, [28], [5, 2], 5)
+    assert (a.prompt_token_ids, a.output_token_ids, a.block_ids, a.num_computed_tokens) == (A, [14], [[3]], 3)
+    assert (b.prompt_token_ids, b.output_token_ids, b.block_ids, b.num_computed_tokens) == (B, [28], [[5, 2]], 5)
+
+
+def test_each_kv_cache_group_has_its_own_block_table_and_each_layer_gets_its_groups_metadata() -> None:
+    """Layers 0 and 2 in group 0, layer 1 in group 1 (a hybrid model): one layout per group, with
+    the same tokens and lengths and the group's own blocks; deltas extend each group's table."""
+    h = Harness(layer_groups=[0, 1, 0])
+    h.run(step(1, {"a": 3, "b": 5}, [NewRequestData("a", A, 3, GREEDY, None, [[3], [4]], 0),
+                                     NewRequestData("b", B, 5, GREEDY, None, [[5, 2], [7, 9]], 0)]))
+    first, second = h.backend.layouts
+    assert_layout(first, query_start_loc=[0, 3, 8], seq_lens=[3, 5], block_table=[[3, 0], [5, 2]],
+                  slot_mapping=[12, 13, 14, 20, 21, 22, 23, 8])
+    assert_layout(second, query_start_loc=[0, 3, 8], seq_lens=[3, 5], block_table=[[4, 0], [7, 9]],
+                  slot_mapping=[16, 17, 18, 28, 29, 30, 31, 36])
+    assert h.forward.metadata == [first, second, first]
+
+    h.run(step(2, {"a": 1, "b": 1}, cached_requests=[CachedRequestData("a", [[8], [6]], 3),
+                                                     CachedRequestData("b", [[], []], 5)]))
+    first, second = h.backend.layouts[2:]
+    assert first.block_table.tolist() == [[3, 8], [5, 2]] and first.slot_mapping.tolist() == [15, 9]
+    assert second.block_table.tolist() == [[4, 6], [7, 9]] and second.slot_mapping.tolist() == [19, 37]
+    assert h.forward.metadata == [first, second, first]
 
 
 def test_batch_order_is_the_order_of_num_scheduled_tokens() -> None:
@@ -238,7 +259,7 @@ def test_decode_steps_feed_the_tokens_the_runner_sampled_itself() -> None:
     assert out.sampled_token_ids == [next_token(17, 4), next_token(33, 6)] == [21, 39]
 
     a = h.runner.states["a"]
-    assert a.output_token_ids == [14, 17, 21] and a.block_ids == [3, 7] and a.num_computed_tokens == 5
+    assert a.output_token_ids == [14, 17, 21] and a.block_ids == [[3, 7]] and a.num_computed_tokens == 5
     assert h.runner.states["b"].output_token_ids == [28, 33, 39]
 
 
@@ -329,7 +350,7 @@ def test_a_request_preempted_and_resumed_in_the_same_step_starts_afresh() -> Non
     assert h.forward.input_ids == [*A, 14] and h.forward.positions == [0, 1, 2, 3]
     assert h.layout.slot_mapping.tolist() == [20, 21, 22, 23]
     assert out.sampled_token_ids == [next_token(14, 3)]
-    assert h.runner.states["a"].output_token_ids == [14, 17] and h.runner.states["a"].block_ids == [5]
+    assert h.runner.states["a"].output_token_ids == [14, 17] and h.runner.states["a"].block_ids == [[5]]
 
 
 # ---- what reaches the sampler ----------------------------------------------------------------
@@ -385,8 +406,8 @@ def test_cached_state_splits_prompt_and_outputs_and_copies_the_message() -> None
     assert (state.prompt_token_ids, state.output_token_ids) == ([1, 2, 3], [4, 5])
     assert state.num_tokens == 5 and state.num_computed_tokens == 2 and state.eos_token_id == 0
     state.append(9)
-    state.block_ids.append(8)
-    assert data.token_ids == [1, 2, 3, 4, 5] and data.block_ids == [6, 7]
+    state.block_ids[0].append(8)
+    assert data.token_ids == [1, 2, 3, 4, 5] and data.block_ids == [[6, 7]]
 
 
 @pytest.mark.parametrize(("start", "stop", "expected"), [

@@ -21,6 +21,8 @@ from support.reference import greedy, hf_greedy, hf_log_softmax, random_prompts
 from support.tiny_models import TINY_VOCAB
 
 from cadence import LLM, SamplingParams
+from cadence.models.kv_groups import kv_cache_groups_of
+from cadence.models.loader import load_hf_config
 
 NEW_TOKENS = 12
 ORIGINAL_CONTEXT = 64
@@ -91,6 +93,10 @@ class Case:
     def llm(self, **engine_args: Any) -> LLM:
         return LLM(model=str(self.folder), dtype="float32", **engine_args)
 
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return kv_cache_groups_of(load_hf_config(str(self.folder))).num_groups
+
 
 _cases: dict[str, Case] = {}
 
@@ -116,9 +122,9 @@ def test_cold_then_warm_prefix_cache_matches_transformers(case: Case, family: st
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_chunked_prefill_with_preemptions_matches_transformers(case: Case, family: str) -> None:
-    # 64-token steps cut every prompt into chunks; 48 blocks of 4 hold the longest request (182
-    # tokens) but not 8 at once, even where blocks out of every layer's window return to the pool.
-    llm = case.llm(max_num_batched_tokens=64, block_size=4, num_kv_blocks=48)
+    # 64-token steps cut every prompt into chunks; 48 blocks of 4 per KV cache group hold the longest
+    # request (182 tokens) but not 8 at once, even where blocks out of a window return to the pool.
+    llm = case.llm(max_num_batched_tokens=64, block_size=4, num_kv_blocks=48 * case.num_kv_cache_groups)
     assert greedy(llm, case.prompts, NEW_TOKENS) == case.expected
     assert llm.engine_core.scheduler.num_preemptions > 0
 
@@ -160,3 +166,18 @@ def test_blocks_out_of_the_window_return_to_the_pool(case: Case, family: str,
                 max_num_batched_tokens=24, block_size=4, num_kv_blocks=60)
     greedy(plain, case.prompts, NEW_TOKENS)
     assert plain.engine_core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("family", ["gemma3"])
+def test_sliding_layers_return_blocks_the_global_layer_keeps(case: Case, family: str) -> None:
+    """Gemma 3's layers slide, attend globally, slide (window 16): three KV cache groups of one
+    layer each, so a request's sliding layers hold about their window's blocks while its global
+    layer holds them all. In the same KV memory, the 8 requests run without a preemption; one block
+    table for all three layers (every block kept to the end) is preempted."""
+    assert case.num_kv_cache_groups == 3
+    hybrid = case.llm(max_num_batched_tokens=24, block_size=4, num_kv_blocks=3 * 70)
+    assert greedy(hybrid, case.prompts, NEW_TOKENS) == case.expected
+    assert hybrid.engine_core.scheduler.num_preemptions == 0
+    single = case.llm(max_num_batched_tokens=24, block_size=4, num_kv_blocks=70, disable_hybrid_kv_cache_manager=True)
+    assert greedy(single, case.prompts, NEW_TOKENS) == case.expected
+    assert single.engine_core.scheduler.num_preemptions > 0

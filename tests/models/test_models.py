@@ -76,7 +76,8 @@ class PagedHarness:
         )
         metadata = self.model.attn_backend.build_metadata(layout, CPU)
         with torch.inference_mode():
-            return self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata,
+            return self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches,
+                              [metadata] * len(self.kv_caches),
                               torch.tensor(starts[1:]) - 1)
 
 

@@ -26,9 +26,9 @@ BITMASK = torch.tensor([[-1, 0, 5], [2**31 - 1, -(2**31), 1]], dtype=torch.int32
 
 STEP = m.SchedulerOutput(
     step_id=7,
-    new_requests=[m.NewRequestData("r1", [1, 2, 3, 4], 3, PARAMS, 2, [5, 6], 0),
-                  m.NewRequestData("r4", [8], 1, SamplingParams(), None, [7], 0)],
-    cached_requests=[m.CachedRequestData("r2", [9], 17)],
+    new_requests=[m.NewRequestData("r1", [1, 2, 3, 4], 3, PARAMS, 2, [[5, 6], [1]], 0),
+                  m.NewRequestData("r4", [8], 1, SamplingParams(), None, [[7], [2]], 0)],
+    cached_requests=[m.CachedRequestData("r2", [[9], []], 17)],
     num_scheduled_tokens={"r1": 4, "r2": 1, "r4": 1},
     finished_request_ids=["r0"],
     preempted_request_ids=["r3"],

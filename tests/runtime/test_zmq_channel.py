@@ -82,7 +82,7 @@ async def test_messages_arrive_in_order_and_equal(context: zmq.asyncio.Context, 
 async def test_a_step_with_a_tensor_crosses_the_channel(context: zmq.asyncio.Context, folder: Path) -> None:
     send, receive = pair(context, f"ipc://{folder}/steps", m.SchedulerOutput)
     bitmask = torch.tensor([[-1, 0], [7, 2**31 - 1]], dtype=torch.int32)
-    step = m.SchedulerOutput(3, [], [m.CachedRequestData("a", [1], 4)], {"a": 1, "b": 1}, [], [],
+    step = m.SchedulerOutput(3, [], [m.CachedRequestData("a", [[1]], 4)], {"a": 1, "b": 1}, [], [],
                              grammar_bitmask=m.GrammarBitmask(["a", "b"], bitmask))
     with anyio.fail_after(30):
         await send.send(step)
