@@ -97,6 +97,14 @@ class TokenLogprobs(_Message):
     sampled_rank: int  # 1-based rank of the sampled token in the full distribution
 
 
+class PromptLogprobs(_Message):
+    """A request's prompt logprobs computed in one step: those of prompt tokens ``start`` on."""
+
+    request_id: str
+    start: int  # >= 1: the first prompt token has no logprob
+    entries: list[TokenLogprobs]
+
+
 class ModelRunnerOutput(_Message):
     """Tokens sampled this step, only for requests whose scheduled tokens reached the end."""
 
@@ -104,6 +112,8 @@ class ModelRunnerOutput(_Message):
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # aligned with request_ids when any asked
+    # For requests that asked for them, whatever prompt positions this step computed.
+    prompt_logprobs: list[PromptLogprobs] | None = None
     forward_time_s: float = 0.0  # the model's forward pass, for the engine's step timing
 
 
@@ -144,6 +154,8 @@ class EngineCoreOutput(_Message):
     queue_time_s: float | None = None
     # With finish reason "error": why the request failed (its grammar did not compile ...), for the client.
     error: str | None = None
+    # Once, with the first token: the logprobs of the prompt's tokens from the second on.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class SchedulerStats(_Message):
@@ -233,6 +245,9 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     queue_time_s: float | None = None
     # Why a sequence failed in the engine (its finish reason is "error"); the latest, if several did.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as vLLM);
+    # in a stream of deltas, only in the delta where they arrive.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class DetokenizedOutputs(_Message):
@@ -254,6 +269,7 @@ class SequenceDelta(_Message):
     queue_time_s: float | None = None
     # With finish reason "error": why this sequence failed in the engine (its grammar did not compile ...).
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # as EngineCoreOutput's
 
 
 EngineCoreInput = EngineCoreRequest | AbortRequests

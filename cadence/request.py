@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
+from cadence.messages import TokenLogprobs
 from cadence.sampling_params import SamplingParams
 
 
@@ -92,6 +93,10 @@ class Request:
         self.status = RequestStatus.WAITING
         # Why it failed, once FINISHED_ERROR: sent to the client, which otherwise sees only "error".
         self.error: str | None = None
+        # With sampling_params.prompt_logprobs: those computed so far (of prompt tokens 1, 2 ...),
+        # sent with the first output token; a recompute after preemption adds none twice.
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs_sent = False
         room = max_model_len - len(prompt_token_ids)
         requested = sampling_params.max_tokens
         self.max_tokens = room if requested is None else min(requested, room)
@@ -115,6 +120,20 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
+        """Keep the logprobs of prompt tokens ``start`` on (computed in a step), but those kept
+        already (a recompute after a preemption computes them again)."""
+        have = len(self.prompt_logprobs) + 1  # the next prompt token without one
+        if start <= have:
+            self.prompt_logprobs.extend(entries[have - start:])
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """Every prompt logprob, the first time it is asked once the prompt is done; else None."""
+        if self.sampling_params.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last appended token causes, if any."""

@@ -95,6 +95,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens (from the second on) with this many top tokens each; the
+    # request then skips the prefix cache, as in vLLM: a cached prefix computes no logits.
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -114,6 +117,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+               f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         _check(all(s for s in self.stop), "stop strings must not be empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids")
         for bias in (self.logit_bias or {}).values():

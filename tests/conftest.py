@@ -1,5 +1,6 @@
 """Fixtures every test folder shares: tiny models (``make_tiny_model``, built by
-``support/tiny_models.py``), a real server of one (``serve_tiny``), OpenAI's spec (``spec``)."""
+``support/tiny_models.py``), a real server of one (``serve_tiny``), one with tool and reasoning
+parsers (``tool_chat_server``), OpenAI's spec (``spec``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from support.openai_spec import OpenAISpec
 from support.tiny_models import build_tiny_model
+from support.tool_chat import TEMPLATE
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +45,18 @@ def serve_tiny(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.Te
             assert process.stop() == 0, process.log()
 
     return serve
+
+
+@pytest.fixture(scope="session")
+def tool_chat_server(serve_tiny: Callable[..., contextlib.AbstractContextManager[Any]],
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The tiny model served with the tool-calling tests' chat template (``support/tool_chat.py``),
+    the hermes tool parser for ``auto`` tool choice and the qwen3 reasoning parser."""
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    with serve_tiny("--chat-template", str(template), "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                    "--reasoning-parser", "qwen3") as process:
+        yield process
 
 
 @pytest.fixture(autouse=True)

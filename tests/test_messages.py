@@ -22,7 +22,8 @@ EXAMPLES: list[msgspec.Struct] = [
         finished_request_ids=["r0"],
         preempted_request_ids=["r3"],
     ),
-    m.ModelRunnerOutput(7, ["r1", "r2"], [11, 12], [LOGPROBS, LOGPROBS], forward_time_s=0.01),
+    m.ModelRunnerOutput(7, ["r1", "r2"], [11, 12], [LOGPROBS, LOGPROBS], forward_time_s=0.01,
+                        prompt_logprobs=[m.PromptLogprobs("r2", 1, [LOGPROBS, LOGPROBS])]),
     m.ExecutorFailed(7, "boom"),
     m.WorkerReady(rank=1, num_blocks=40),
     m.WorkerFailed(rank=1, error="RuntimeError: boom"),
@@ -54,7 +55,7 @@ def test_every_message_type_has_an_example() -> None:
     # round-trips it there.
     covered = {type(e) for e in EXAMPLES} | {m.NewRequestData, m.CachedRequestData, m.TokenLogprobs,
                                               m.EngineCoreOutput, m.SequenceDelta, m.SchedulerStats,
-                                              m.GrammarBitmask, m.KVCacheDelta}
+                                              m.GrammarBitmask, m.KVCacheDelta, m.PromptLogprobs}
     assert tagged == covered
 
 

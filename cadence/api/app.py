@@ -1,5 +1,6 @@
-"""The aiohttp application: OpenAI's generation endpoints plus health, models, version, tokenizer
-and metrics routes, behind two middlewares (API key, errors in OpenAI's shape).
+"""The aiohttp application: OpenAI's generation endpoints (completions, chat completions, responses)
+plus health, models, version, tokenizer and metrics routes, behind two middlewares (API key, errors
+in OpenAI's shape).
 
 ``build_app`` takes an engine that is already running; starting and stopping it, signals and
 graceful shutdown belong to ``server.py``.
@@ -22,7 +23,7 @@ from cadence.api.chat import create_chat_completion
 from cadence.api.completions import create_completion
 from cadence.api.errors import APIError, bad_request
 from cadence.api.offload import in_thread
-from cadence.api.params import chat_prompt
+from cadence.api.params import ChatTemplateArgs, chat_prompt
 from cadence.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -33,7 +34,9 @@ from cadence.api.protocol import (
     VersionResponse,
     encode,
 )
-from cadence.api.request_body import read_json
+from cadence.api.request_body import REQUEST_ID_HEADER, read_json, request_id_of
+from cadence.api.response_store import RESPONSE_STORE, ResponseStore
+from cadence.api.responses import create_response
 from cadence.api.serving import APIState, ServerSettings, engine_dead
 from cadence.engine.async_engine import AsyncEngine
 
@@ -53,6 +56,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
     # The handlers read bodies themselves (request_body.py); aiohttp's own limit, for anything else, is the same.
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_body_bytes)
     app[STATE] = APIState(engine, settings)
+    app[RESPONSE_STORE] = ResponseStore()
+    app.on_response_prepare.append(_echo_request_id)
 
     def route(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def bound(request: web.Request) -> web.StreamResponse:
@@ -61,7 +66,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
 
     app.router.add_post("/v1/completions", route(create_completion))
     app.router.add_post("/v1/chat/completions", route(create_chat_completion))
+    app.router.add_post("/v1/responses", route(create_response))
     app.router.add_get("/v1/models", route(_models))
+    app.router.add_get("/v1/models/{model_id:.+}", route(_model))  # a served name may hold slashes
     app.router.add_get("/health", route(_health))
     app.router.add_get("/version", route(_version))
     app.router.add_get("/metrics", route(_metrics))
@@ -74,10 +81,19 @@ def _json(body: Struct) -> web.Response:
     return web.Response(body=encode(body), content_type="application/json")
 
 
+def _card(state: APIState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.created, max_model_len=state.limits.max_model_len)
+
+
 async def _models(request: web.Request, state: APIState) -> web.StreamResponse:
-    cards = [ModelCard(id=name, created=state.created, max_model_len=state.limits.max_model_len)
-             for name in state.settings.served_model_names]
-    return _json(ModelList(data=cards))
+    return _json(ModelList(data=[_card(state, name) for name in state.settings.served_model_names]))
+
+
+async def _model(request: web.Request, state: APIState) -> web.StreamResponse:
+    """One served name's card, or OpenAI's 404 ``model_not_found``."""
+    name = request.match_info["model_id"]
+    state.check_model(name)
+    return _json(_card(state, name))
 
 
 async def _health(request: web.Request, state: APIState) -> web.StreamResponse:
@@ -104,7 +120,8 @@ async def _tokenize(request: web.Request, state: APIState) -> web.StreamResponse
     tokenizer = state.tokenizer
     if req.messages is not None and req.prompt is None:
         messages = req.messages
-        ids = await in_thread(lambda: chat_prompt(messages, tokenizer, req.add_generation_prompt),
+        args = ChatTemplateArgs(add_generation_prompt=req.add_generation_prompt, template=state.settings.chat_template)
+        ids = await in_thread(lambda: chat_prompt(messages, tokenizer, args),
                               timeout_s=state.settings.preprocess_timeout_s, what="rendering and tokenizing the "
                               "messages", param="messages")
     elif req.prompt is not None and req.messages is None:
@@ -159,6 +176,10 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     except Exception as exc:
         logger.exception("%s %s failed", request.method, request.path)
         return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error").response()
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[REQUEST_ID_HEADER] = request_id_of(request)
 
 
 def _auth(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:

@@ -1,20 +1,27 @@
-"""``POST /v1/chat/completions``: the conversation goes through the tokenizer's chat template; the
-stream opens with each choice's role, then its content."""
+"""``POST /v1/chat/completions``: the conversation goes through the chat template (with the tools);
+the answer's text becomes a message with its reasoning and tool calls apart (cadence/api/chat_output.py);
+the stream opens with each choice's role, then its deltas."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from msgspec import UNSET
 
+from cadence.api.chat_output import ChoiceOutput, with_markup_tokens
+from cadence.api.conversation import conversation_prompt
 from cadence.api.errors import bad_request
 from cadence.api.logprobs import chat_logprobs
-from cadence.api.offload import in_thread
-from cadence.api.params import chat_prompt, check_stream_options, max_tokens_for, sampling_params, structured_outputs
+from cadence.api.params import (
+    ChatTemplateArgs,
+    check_stream_options,
+    max_tokens_for,
+    sampling_params,
+    structured_outputs,
+)
 from cadence.api.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -27,15 +34,17 @@ from cadence.api.protocol import (
     Usage,
     encode,
 )
-from cadence.api.request_body import read_json
+from cadence.api.request_body import read_json, request_id_of
 from cadence.api.serving import APIState, Generation, prepare
 from cadence.api.streaming import SSEStream, stream_response
+from cadence.api.tools import ToolMode, template_tools, tool_constraint, tool_mode
 from cadence.messages import RequestOutput
 from cadence.sampling_params import StructuredOutputsParams
 
 
 @dataclass
 class _Choice:
+    output: ChoiceOutput
     text: list[str] = field(default_factory=list)
     logprobs: list[ChatTokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -45,11 +54,12 @@ class _Chat:
     """One chat request, validated and ready to run (its prompt rendered, its constraint checked)."""
 
     def __init__(self, state: APIState, req: ChatCompletionRequest, model: str, arrival: float,
-                 prompt_ids: list[int], constraint: StructuredOutputsParams | None) -> None:
+                 prompt_ids: list[int], constraint: StructuredOutputsParams | None, mode: ToolMode,
+                 request_id: str) -> None:
         self.state = state
         self.req = req
         self.model = model
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = f"chatcmpl-{request_id}"
         self.created = int(time.time())
         self.prompt_ids = prompt_ids
         self.top_logprobs = _num_logprobs(req)
@@ -60,17 +70,20 @@ class _Chat:
             requested, param = req.max_tokens, "max_tokens"
         max_tokens = max_tokens_for(requested, None, len(self.prompt_ids), state.limits, param=param,
                                     prompt_param="messages")
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=self.top_logprobs, constraint=constraint)
+        tool_parser = state.tool_parser if mode.kind == "auto" else None
+        params = with_markup_tokens(sampling_params(req, max_tokens=max_tokens, logprobs=self.top_logprobs,
+                                                    constraint=constraint), tool_parser)
         request = prepare(state, self.prompt_ids, params, prompt_param="messages")
         self.n = params.n
+        self.mode = mode
         self.generation = Generation(state, self.id, [request], priority=req.priority, user=req.user,
                                      arrival=arrival)
-        self.choices = [_Choice() for _ in range(self.n)]
+        self.choices = [_Choice(ChoiceOutput(mode, tool_parser, state.reasoning_parser)) for _ in range(self.n)]
         self.num_cached = 0
         self.num_generated = 0
 
-    def apply(self, delta: RequestOutput) -> list[ChatChunkChoice]:
-        """Fold a delta in; the choices it adds to, as chunk choices."""
+    def apply(self, delta: RequestOutput, stream: bool = True) -> list[ChatChunkChoice]:
+        """Fold a delta in; when streaming, the choices it adds to, as chunk choices."""
         self.num_cached = max(self.num_cached, delta.num_cached_tokens)
         changed = []
         for seq in delta.outputs:
@@ -83,10 +96,21 @@ class _Chat:
             choice.text.append(seq.text)
             choice.finish_reason = seq.finish_reason or choice.finish_reason
             self.num_generated += len(seq.token_ids)
-            if seq.text or logprobs is not None or seq.finish_reason is not None:
-                changed.append(ChatChunkChoice(index=seq.index, delta=DeltaMessage(content=seq.text),
-                                               logprobs=logprobs, finish_reason=seq.finish_reason))
+            if not stream:
+                continue
+            message = choice.output.feed(seq.text)
+            if seq.finish_reason is not None:
+                message = _joined(message, choice.output.finish())
+            if _has_fields(message) or logprobs is not None or seq.finish_reason is not None:
+                reason = self._finish_reason(seq.finish_reason, choice.output.called)
+                changed.append(ChatChunkChoice(index=seq.index, delta=message, logprobs=logprobs,
+                                               finish_reason=reason))
         return changed
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's ``tool_calls`` where the model stopped after calls it chose to make (a named
+        function's call ends with ``stop``, as OpenAI's does)."""
+        return "tool_calls" if reason == "stop" and called and self.mode.kind in ("auto", "required") else reason
 
     def usage(self) -> Usage:
         prompt_tokens = len(self.prompt_ids)
@@ -95,14 +119,14 @@ class _Chat:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached))
 
     def response(self) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=i, message=AssistantMessage(content="".join(c.text)),
+        choices = []
+        for i, c in enumerate(self.choices):
+            message = c.output.message("".join(c.text))
+            choices.append(ChatChoice(
+                index=i, message=message,
                 logprobs=ChatLogprobs(content=c.logprobs) if self.top_logprobs is not None else None,
                 # Only an aborted request ends without one, and that is answered with an error.
-                finish_reason=c.finish_reason or "stop")
-            for i, c in enumerate(self.choices)
-        ]
+                finish_reason=self._finish_reason(c.finish_reason or "stop", bool(message.tool_calls)) or "stop"))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage())
 
@@ -111,6 +135,21 @@ class _Chat:
         if include_usage:
             chunk.usage = None
         return chunk
+
+
+def _joined(first: DeltaMessage, second: DeltaMessage) -> DeltaMessage:
+    """One delta carrying both (text fields joined, tool-call pieces in order)."""
+    joined = DeltaMessage()
+    for name in ("content", "reasoning_content", "tool_calls"):
+        a, b = getattr(first, name), getattr(second, name)
+        if a is not UNSET or b is not UNSET:
+            setattr(joined, name, (a if a is not UNSET else type(b)()) + (b if b is not UNSET else type(a)()))
+    return joined
+
+
+def _has_fields(delta: DeltaMessage) -> bool:
+    """Whether the delta says anything (an empty content alone does not)."""
+    return any(getattr(delta, name) not in (UNSET, "") for name in ("content", "reasoning_content", "tool_calls"))
 
 
 def _num_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -129,28 +168,34 @@ async def create_chat_completion(request: web.Request, state: APIState) -> web.S
                           timeout_s=settings.request_read_timeout_s)
     model = state.check_model(req.model)
     include_usage = check_stream_options(req)
-    constraint = structured_outputs(req)
-    state.check_admission(1)  # before the slow work, which an overloaded server should not do
-    prompt_ids = await in_thread(
-        lambda: chat_prompt(req.messages, state.tokenizer, req.add_generation_prompt, state.text_bound),
-        timeout_s=settings.preprocess_timeout_s, what="rendering and tokenizing the messages", param="messages")
-    if constraint is not None:
-        await state.constraints.check(*constraint)
-    chat = _Chat(state, req, model, arrival, prompt_ids, constraint[0] if constraint else None)
+    tools = req.tools or []
+    mode = tool_mode(tools, req.tool_choice, auto_tool_choice=settings.enable_auto_tool_choice,
+                     constrained=req.response_format is not None or req.structured_outputs is not None)
+    constraint = tool_constraint(tools, mode, req.parallel_tool_calls) or structured_outputs(req)
+    args = ChatTemplateArgs(add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message, tools=template_tools(tools),
+                            template=settings.chat_template, kwargs=req.chat_template_kwargs)
+    prompt_ids = await conversation_prompt(state, req.messages, args, constraint)
+    chat = _Chat(state, req, model, arrival, prompt_ids, constraint[0] if constraint else None, mode,
+                 request_id_of(request))
     with state.admitted(1) as entry:
         if not req.stream:
             async def collect(_: int, delta: RequestOutput) -> None:
-                chat.apply(delta)
+                chat.apply(delta, stream=False)
 
             await chat.generation.run(entry, collect)
             return web.Response(body=encode(chat.response()), content_type="application/json")
 
         async def produce(stream: SSEStream) -> None:
-            for index in range(chat.n):
-                role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-                await stream.send(chat.chunk([role], include_usage))
+            opened = False
 
             async def send(_: int, delta: RequestOutput) -> None:
+                nonlocal opened
+                if not opened:  # with the first token, as vLLM: a client times the first token by it
+                    opened = True
+                    for index in range(chat.n):
+                        role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+                        await stream.send(chat.chunk([role], include_usage))
                 for choice in chat.apply(delta):
                     await stream.send(chat.chunk([choice], include_usage))
 

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 from aiohttp import web
 
 from cadence.api.errors import bad_request
-from cadence.api.logprobs import completion_logprobs, merge_completion_logprobs
+from cadence.api.logprobs import completion_logprobs, merge_completion_logprobs, prompt_completion_logprobs
 from cadence.api.offload import in_thread
 from cadence.api.params import (
     DEFAULT_COMPLETION_TOKENS,
@@ -30,7 +30,7 @@ from cadence.api.protocol import (
     Usage,
     encode,
 )
-from cadence.api.request_body import read_json
+from cadence.api.request_body import read_json, request_id_of
 from cadence.api.serving import APIState, Generation, prepare
 from cadence.api.streaming import SSEStream, stream_response
 from cadence.engine.admission import PreparedRequest
@@ -53,11 +53,12 @@ class _Completion:
     checked)."""
 
     def __init__(self, state: APIState, req: CompletionRequest, model: str, arrival: float,
-                 prompts: list[tuple[list[int], str]], constraint: StructuredOutputsParams | None) -> None:
+                 prompts: list[tuple[list[int], str]], constraint: StructuredOutputsParams | None,
+                 request_id: str) -> None:
         self.state = state
         self.req = req
         self.model = model
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"cmpl-{request_id}"
         self.created = int(time.time())
         self.constraint = constraint
         self.prompt_ids = [ids for ids, _ in prompts]
@@ -68,28 +69,39 @@ class _Completion:
         self.choices = [_Choice(offset=len(self.echo[i // self.n])) for i in range(len(prompts) * self.n)]
         self.num_cached = [0] * len(prompts)
         self.num_generated = 0
+        # With echo and logprobs: each prompt's own logprobs, in the completions format (first null).
+        self.prompt_logprobs: list[CompletionLogprobs | None] = [None] * len(prompts)
 
     def _prepare(self, prompt_ids: list[int]) -> PreparedRequest:
         req = self.req
         max_tokens = max_tokens_for(req.max_tokens, DEFAULT_COMPLETION_TOKENS, len(prompt_ids), self.state.limits)
         params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=self.constraint)
+        if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
+            params = msgspec.structs.replace(params, prompt_logprobs=req.logprobs)
         return prepare(self.state, prompt_ids, params, prompt_param="prompt")
 
     def apply(self, prompt_index: int, delta: RequestOutput) -> list[CompletionChoice]:
         """Fold a delta in; the choices it adds to (text, logprobs, finish reason) as chunk choices."""
         self.num_cached[prompt_index] = max(self.num_cached[prompt_index], delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None:  # the prompt's once, for each of its n choices
+            self.prompt_logprobs[prompt_index] = prompt_completion_logprobs(
+                self.prompt_ids[prompt_index], delta.prompt_logprobs, self.state.texts)
         changed = []
         for seq in delta.outputs:
             index = prompt_index * self.n + seq.index
             choice = self.choices[index]
             text = seq.text
-            if not choice.started:
+            first = not choice.started
+            if first:
                 choice.started = True
                 text = self.echo[prompt_index] + text
             logprobs = None
             if self.req.logprobs is not None:
                 logprobs = completion_logprobs(seq.logprobs or [], self.state.texts, choice.offset)
                 choice.offset += sum(len(t) for t in logprobs.tokens)
+                echoed = self.prompt_logprobs[prompt_index]
+                if first and echoed is not None:  # the echoed prompt's logprobs lead its first chunk
+                    logprobs = merge_completion_logprobs([echoed, logprobs])
                 choice.logprobs.append(logprobs)
             choice.text.append(text)
             choice.finish_reason = seq.finish_reason or choice.finish_reason
@@ -134,7 +146,8 @@ async def create_completion(request: web.Request, state: APIState) -> web.Stream
                               timeout_s=settings.preprocess_timeout_s, what="tokenizing the prompt", param="prompt")
     if constraint is not None:
         await state.constraints.check(*constraint)
-    completion = _Completion(state, req, model, arrival, prompts, constraint[0] if constraint else None)
+    completion = _Completion(state, req, model, arrival, prompts, constraint[0] if constraint else None,
+                             request_id_of(request))
     with state.admitted(len(completion.prompt_ids)) as entry:
         if not req.stream:
             async def collect(prompt_index: int, delta: RequestOutput) -> None:
@@ -163,7 +176,4 @@ def _check_unsupported(req: CompletionRequest) -> None:
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise bad_request(f"best_of must equal n ({n}): cadence does not rank extra candidates", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs the prompt's logprobs, which cadence does not compute; "
-                          "drop one of them", param="logprobs")
 

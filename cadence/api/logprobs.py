@@ -98,6 +98,16 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], texts: TokenTexts, sta
     return result
 
 
+def prompt_completion_logprobs(prompt_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
+                               texts: TokenTexts) -> CompletionLogprobs:
+    """An echoed prompt's logprobs in the completions format, its text offsets from 0: the first
+    token's logprob and top are null (nothing comes before it)."""
+    first = CompletionLogprobs(tokens=[texts.text(prompt_ids[0])], token_logprobs=[None], top_logprobs=[None],
+                               text_offset=[0])
+    rest = completion_logprobs([e for e in entries[1:] if e is not None], texts, len(first.tokens[0]))
+    return merge_completion_logprobs([first, rest])
+
+
 def merge_completion_logprobs(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
     return CompletionLogprobs(
         tokens=[t for p in parts for t in p.tokens],

@@ -6,6 +6,7 @@ what to change and names the field.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,39 +205,88 @@ def completion_prompts(req: CompletionRequest, tokenizer: PreTrainedTokenizerBas
     return prompts
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
-                add_generation_prompt: bool = True, bound: TextBound | None = None) -> list[int]:
-    """Render the conversation with the tokenizer's chat template, as ``LLM.chat`` does.
+@dataclass(frozen=True)
+class ChatTemplateArgs:
+    """What a chat template gets beside the messages (transformers' ``apply_chat_template``)."""
 
-    :raises APIError: 400 for an unknown role, non-text content, a template that rejects it, or
-        contents that together are over ``bound`` (a template renders every message's content).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Any] | None = None  # function objects, as transformers takes them
+    template: str | None = None  # the server's --chat-template, else the tokenizer's own
+    kwargs: dict[str, Any] | None = None  # the request's chat_template_kwargs
+
+
+# chat_template_kwargs that would override what the server passes itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "return_dict", "padding", "truncation", "max_length", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
+                args: ChatTemplateArgs = ChatTemplateArgs(), bound: TextBound | None = None) -> list[int]:
+    """Render the conversation with the chat template, as ``LLM.chat`` does: tool calls of earlier
+    assistant turns with their arguments as objects, tool answers with their call's id.
+
+    :raises APIError: 400 for an unknown role, non-text content, arguments that are not a JSON
+        object, a reserved or clashing template option, a template that rejects it, or contents that
+        together are over ``bound`` (a template renders every message's content).
     """
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
-    conversation: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        if message.role not in _ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got "
-                              f"{message.role!r}", param=f"messages[{i}].role")
-        entry: dict[str, Any] = {
-            # Chat templates know "system"; OpenAI's "developer" is its newer name.
-            "role": "system" if message.role == "developer" else message.role,
-            "content": _text_content(message, i),
-        }
-        if message.name is not None:
-            entry["name"] = message.name
-        conversation.append(entry)
+    if args.continue_final_message and args.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          param="continue_final_message")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(args.kwargs or {}))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    conversation = [_conversation_entry(message, i) for i, message in enumerate(messages)]
     if bound is not None:
         bound.check(sum(len(entry["content"].encode()) for entry in conversation), "messages")
-    if getattr(tokenizer, "chat_template", None) is None:
+    if args.template is None and getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     try:
-        rendered: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=True, return_dict=True)
+        rendered: Any = tokenizer.apply_chat_template(
+            conversation, tools=args.tools, chat_template=args.template,
+            add_generation_prompt=args.add_generation_prompt, continue_final_message=args.continue_final_message,
+            tokenize=True, return_dict=True, **(args.kwargs or {}))
         ids = rendered["input_ids"]
-    except (jinja2.TemplateError, ValueError) as exc:
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
     return list(ids)
+
+
+def _conversation_entry(message: ChatMessage, index: int) -> dict[str, Any]:
+    if message.role not in _ROLES:
+        raise bad_request(f"messages[{index}].role must be one of {', '.join(sorted(_ROLES))}, got "
+                          f"{message.role!r}", param=f"messages[{index}].role")
+    entry: dict[str, Any] = {
+        # Chat templates know "system"; OpenAI's "developer" is its newer name.
+        "role": "system" if message.role == "developer" else message.role,
+        "content": _text_content(message, index),
+    }
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {"id": call.id, "type": call.type,
+             "function": {"name": call.function.name,
+                          "arguments": _arguments(call.function.arguments, f"messages[{index}].tool_calls[{j}]")}}
+            for j, call in enumerate(message.tool_calls)]
+    return entry
+
+
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    """A call's arguments as the object templates expect (they render it with ``tojson``)."""
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}.function.arguments must be a JSON object", param=f"{where}.function.arguments")
+    return arguments
 
 
 def _text_content(message: ChatMessage, index: int) -> str:

@@ -111,11 +111,50 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(Struct, kw_only=True):
+    """A function call an assistant made: its name and its arguments, a JSON object as text."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Struct, kw_only=True):
+    """A tool call of an earlier assistant turn (in a request), or of this answer (in a response)."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct, kw_only=True):
     role: str
     # As OpenAI: a list of parts holds at least one.
     content: str | Annotated[list[ContentPart], Meta(min_length=1)] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's answer to that call
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    # OpenAI's rule for a function's name.
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # accepted: required and named choices always enforce the schema
+
+
+class ChatTool(Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -125,7 +164,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's extensions: the chat template's switches
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -159,8 +204,9 @@ class Usage(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null for an echoed prompt's first token, which has no logprob (as OpenAI's legacy API and vLLM)
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -206,6 +252,8 @@ class AssistantMessage(Struct):
     content: str | None
     role: Literal["assistant"] = "assistant"
     refusal: str | None = None
+    tool_calls: list[MessageToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET  # vLLM's extension, with a reasoning parser
 
 
 class ChatChoice(Struct):
@@ -224,9 +272,26 @@ class ChatCompletionResponse(Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A piece of a tool call: the first of each call has its id, type and name, the others
+    fragments of its arguments, as OpenAI streams them."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: DeltaFunctionCall | UnsetType = UNSET
+
+
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

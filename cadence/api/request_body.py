@@ -17,6 +17,8 @@ In order, each failure in OpenAI's error shape:
 from __future__ import annotations
 
 import gc
+import logging
+import uuid
 from typing import Any, TypeVar
 
 import anyio
@@ -34,6 +36,27 @@ _PAUSE_GC_BYTES = 64 * 2**10
 
 T = TypeVar("T")
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+_top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 256
+_REQUEST_ID = web.RequestKey("cadence_request_id", str)  # where request_id_of keeps it on the request
+
+
+def request_id_of(request: web.BaseRequest) -> str:
+    """The request's id, as vLLM takes it: its ``X-Request-Id`` header, else one made here (also for
+    a header over :data:`MAX_REQUEST_ID_CHARS` characters, with a warning). The response echoes it
+    in the same header, and logs about the request name it."""
+    known = request.get(_REQUEST_ID)
+    if known is None:
+        known = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        if len(known) > MAX_REQUEST_ID_CHARS:
+            known = uuid.uuid4().hex
+            logger.warning("request %s: its %s header is over %d characters; this id replaces it", known,
+                           REQUEST_ID_HEADER, MAX_REQUEST_ID_CHARS)
+        request[_REQUEST_ID] = known
+    return str(known)
 
 
 async def read_json(request: web.Request, kind: type[T], *, max_bytes: int, timeout_s: float) -> T:
@@ -42,7 +65,20 @@ async def read_json(request: web.Request, kind: type[T], *, max_bytes: int, time
     :raises APIError: 415, 413, 408 or 400 (see the module's docstring).
     """
     check_content_type(request)
-    return decode_request(await read_body(request, max_bytes=max_bytes, timeout_s=timeout_s), kind)
+    raw = await read_body(request, max_bytes=max_bytes, timeout_s=timeout_s)
+    result = decode_request(raw, kind)
+    ignored = unknown_fields(raw, kind)
+    if ignored:  # as vLLM: said once, so that a client can learn what had no effect
+        logger.warning("request %s: ignored unknown fields %s", request_id_of(request), ", ".join(ignored))
+    return result
+
+
+def unknown_fields(raw: bytes, kind: type[Any]) -> list[str]:
+    """The top-level fields of a body (decoded as ``kind`` already) that ``kind`` does not have."""
+    known = getattr(kind, "__struct_fields__", None)
+    if known is None:
+        return []
+    return sorted(set(_top_level.decode(raw)) - set(known))
 
 
 def check_content_type(request: web.BaseRequest) -> None:

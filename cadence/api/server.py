@@ -95,6 +95,17 @@ def register(verbs: Any) -> None:
     limits.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
                         help="seconds a request waits for its structured-output constraint (JSON schema, regex, "
                              "grammar) to compile; a slower one gets 400 (default: %(default)s)")
+    tools = serve.add_argument_group("tools and reasoning (docs/tools_and_reasoning.md)")
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="parse tool calls out of the model's text with this plugin (group cadence.tool_parsers: "
+                            "hermes, llama3_json, mistral, pythonic ...)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto" (the default with tools) through --tool-call-parser')
+    tools.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="split the model's reasoning from its answer (group cadence.reasoning_parsers: qwen3, "
+                            "deepseek_r1 ...)")
+    tools.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+                       help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     serve.set_defaults(run=run_server)
 
 
@@ -103,6 +114,14 @@ def default_model_name(model: str | None) -> str:
         return DEFAULT_MODEL_NAME
     path = Path(model.rstrip("/")).expanduser()
     return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, else the value itself (a template), as vLLM takes it."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    return path.read_text() if path.is_file() else value
 
 
 def run_server(ns: argparse.Namespace) -> int:
@@ -132,6 +151,10 @@ def run_server(ns: argparse.Namespace) -> int:
         request_read_timeout_s=ns.request_read_timeout,
         preprocess_timeout_s=ns.preprocess_timeout,
         grammar_compile_timeout_s=ns.grammar_compile_timeout,
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        reasoning_parser=ns.reasoning_parser,
+        chat_template=chat_template_text(ns.chat_template),
     )
     options = ServeOptions(host=ns.host, port=ns.port, shutdown_timeout_s=ns.shutdown_timeout,
                            stay_up_on_engine_death=ns.stay_up_on_engine_death, log_level=ns.log_level.upper(),

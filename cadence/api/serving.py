@@ -30,6 +30,8 @@ from cadence.api.limits import (
 from cadence.api.logprobs import TokenTexts
 from cadence.api.metrics import APIMetrics, EngineState, RequestTimer
 from cadence.api.params import TextBound, longest_token_bytes
+from cadence.api.reasoning_parsers import load_reasoning_parser
+from cadence.api.tool_parsers import load_tool_parser
 from cadence.engine.admission import PreparedRequest
 from cadence.engine.async_engine import AsyncEngine
 from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -50,10 +52,22 @@ class ServerSettings:
     request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
     preprocess_timeout_s: float = DEFAULT_PREPROCESS_TIMEOUT_S
     grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    # Tools and reasoning (docs/tools_and_reasoning.md): parser names, and a chat template's text.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("give at least one served model name")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        # Refused here, before the engine starts, like any bad option.
+        if self.tool_call_parser is not None:
+            load_tool_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            load_reasoning_parser(self.reasoning_parser)
         for flag, value in (("--max-request-body-bytes", self.max_request_body_bytes),
                             ("--request-read-timeout", self.request_read_timeout_s),
                             ("--preprocess-timeout", self.preprocess_timeout_s),
@@ -89,6 +103,9 @@ class APIState:
         self.metrics = APIMetrics(settings.model_name, self.limits.max_model_len, self._engine_states)
         self.constraints = ConstraintChecks(settings.grammar_compile_timeout_s)
         self.text_bound = TextBound(self.limits.max_model_len, longest_token_bytes(engine.tokenizer))
+        self.tool_parser = None if settings.tool_call_parser is None else load_tool_parser(settings.tool_call_parser)
+        self.reasoning_parser = (None if settings.reasoning_parser is None
+                                 else load_reasoning_parser(settings.reasoning_parser))
         self.created = int(time.time())
         self.closing = False
         self._in_flight: set[InFlight] = set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from aiohttp import web
@@ -56,7 +57,16 @@ class SSEStream:
 async def stream_response(request: web.Request, produce: Callable[[SSEStream], Awaitable[None]]
                           ) -> web.StreamResponse:
     """Open an event stream, let ``produce`` fill it, and close it with ``[DONE]`` or an error event."""
-    stream = SSEStream(request)
+    return await run_stream(SSEStream(request), produce)
+
+
+S = TypeVar("S", bound=SSEStream)
+
+
+async def run_stream(stream: S, produce: Callable[[S], Awaitable[None]]) -> web.StreamResponse:
+    """Open ``stream``, let ``produce`` fill it, and end it its way (``done``), or with its error
+    event (``fail``): an ``APIError`` as it is, anything else as a 500."""
+    request = stream.request
     await stream.open()
     try:
         await produce(stream)

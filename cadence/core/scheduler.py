@@ -273,7 +273,7 @@ class Scheduler:
         while True:
             # Look up again after every preemption: freeing a victim can drop hashes of blocks it
             # was given in this step, and the lookup must go straight into allocate().
-            hit_blocks, hit_tokens = self.allocator.get_computed_blocks(request)
+            hit_blocks, hit_tokens = self._prefix_hit(request)
             num = self.policy.num_tokens(request, step.budget, hit_tokens)
             if num == 0:
                 return False
@@ -291,6 +291,13 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         step.take(request, num, blocks)
         return True
+
+    def _prefix_hit(self, request: Request) -> tuple[list[list[int]], int]:
+        """The request's prefix-cache hit; none for one that wants its prompt's logprobs, whose
+        every position must be computed (as vLLM)."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return [[] for _ in range(self.allocator.num_groups)], 0
+        return self.allocator.get_computed_blocks(request)
 
     def _preempt_for(self, request: Request, step: _StepPlan) -> bool:
         view = self.policy.preempt_for(request, self.running)
@@ -364,6 +371,9 @@ class Scheduler:
         """Append sampled tokens, apply stop checks, free what finished; returns the step's outputs."""
         outputs = []
         logprobs = runner_output.logprobs
+        for part in runner_output.prompt_logprobs or ():
+            if part.request_id in self.requests:  # not aborted while its step ran
+                self.requests[part.request_id].add_prompt_logprobs(part.start, part.entries)
         grammars = self._active_grammars()
         for i, (request_id, token_id) in enumerate(
                 zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True)):
@@ -381,6 +391,7 @@ class Scheduler:
                 request_id,
                 [token_id],
                 new_logprobs=None if logprobs is None else [logprobs[i]],
+                prompt_logprobs=request.take_prompt_logprobs(),
                 finish_reason=None if stop is None else stop.finish_reason,
                 num_cached_tokens=request.num_cached_tokens,
                 error=request.error,

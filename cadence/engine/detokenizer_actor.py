@@ -107,4 +107,5 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
             num_cached_tokens=output.num_cached_tokens,
             queue_time_s=output.queue_time_s,
             error=error,
+            prompt_logprobs=output.prompt_logprobs,
         )

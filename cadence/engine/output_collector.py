@@ -73,4 +73,5 @@ def merge(earlier: SequenceDelta, later: SequenceDelta) -> SequenceDelta:
         num_cached_tokens=max(earlier.num_cached_tokens, later.num_cached_tokens),
         queue_time_s=earlier.queue_time_s if earlier.queue_time_s is not None else later.queue_time_s,
         error=later.error or earlier.error,
+        prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
     )

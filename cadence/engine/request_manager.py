@@ -27,6 +27,7 @@ from cadence.messages import (
     EngineCoreRequest,
     RequestOutput,
     SequenceDelta,
+    TokenLogprobs,
     TrackRequest,
 )
 from cadence.runtime.actor import UNBOUNDED, Actor, NowaitMailbox
@@ -68,7 +69,11 @@ class RequestHandle:
 
     def _apply(self, batch: DeltaBatch) -> RequestOutput:
         changed = []
+        new_prompt_logprobs: list[TokenLogprobs | None] | None = None
         for index, delta in batch:
+            if delta.prompt_logprobs is not None and self._output.prompt_logprobs is None:
+                # Every sequence of the request has the same prompt: the first to report gives them.
+                new_prompt_logprobs = self._output.prompt_logprobs = [None, *delta.prompt_logprobs]
             if delta.error is not None:
                 self._output.error = delta.error
             seq = self._output.outputs[index]
@@ -86,7 +91,7 @@ class RequestHandle:
             changed.append(msgspec.structs.replace(
                 seq, text=delta.new_text, token_ids=delta.new_token_ids, logprobs=delta.new_logprobs))
         self._output.finished = all(s.finish_reason is not None for s in self._output.outputs)
-        return msgspec.structs.replace(self._output, outputs=changed)
+        return msgspec.structs.replace(self._output, outputs=changed, prompt_logprobs=new_prompt_logprobs)
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ import torch
 from cadence.backends.base import AttentionBackend, BatchLayout
 from cadence.executor.sampler import Sampler, apply_grammar_bitmask
 from cadence.executor.sampling_plan import SamplingRow
-from cadence.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from cadence.messages import ModelRunnerOutput, NewRequestData, PromptLogprobs, SchedulerOutput
 from cadence.sampling_params import SamplingParams
 
 
@@ -69,13 +69,35 @@ class CachedRequestState:
         self._row = None
 
 
+@dataclass
+class PromptRows:
+    """The step's rows whose logits give prompt logprobs: of which prompt token, for which request."""
+
+    rows: list[int] = field(default_factory=list)  # token index in the step
+    targets: list[int] = field(default_factory=list)  # the prompt token that follows
+    top_counts: list[int] = field(default_factory=list)
+    parts: list[tuple[str, int, int]] = field(default_factory=list)  # request, first prompt token, count
+
+    def add(self, state: CachedRequestState, first_row: int, start: int, end: int) -> None:
+        """The positions ``start`` to ``end`` of ``state``, from ``first_row`` on, where the prompt goes on."""
+        k = state.sampling_params.prompt_logprobs
+        last = min(end, len(state.prompt_token_ids) - 1)
+        if k is None or last <= start:
+            return
+        self.rows.extend(range(first_row, first_row + last - start))
+        self.targets.extend(state.prompt_token_ids[start + 1:last + 1])
+        self.top_counts.extend([k] * (last - start))
+        self.parts.append((state.request_id, start + 1, last - start))
+
+
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     layouts: list[BatchLayout]  # per KV cache group
-    logits_indices: torch.Tensor
+    logits_indices: torch.Tensor  # the sampled rows, then the prompt rows
     sampled_states: list[CachedRequestState]
+    prompt: PromptRows
 
 
 class ModelRunner:
@@ -114,8 +136,11 @@ class ModelRunner:
                                 inputs.logits_indices)
             # Host time: on the CPU the forward has finished here (a GPU's may still be running).
             forward_time = time.perf_counter() - forward_start
+            prompt_logprobs = self._prompt_logprobs(logits, inputs) if inputs.prompt.rows else None
+            logits = logits[:len(inputs.sampled_states)]
             if not inputs.sampled_states:  # only partial prefills this step
-                return ModelRunnerOutput(scheduler_output.step_id, [], [], forward_time_s=forward_time)
+                return ModelRunnerOutput(scheduler_output.step_id, [], [], forward_time_s=forward_time,
+                                         prompt_logprobs=prompt_logprobs)
             if scheduler_output.grammar_bitmask is not None:
                 apply_grammar_bitmask(logits, [s.request_id for s in inputs.sampled_states],
                                       scheduler_output.grammar_bitmask)
@@ -128,7 +153,18 @@ class ModelRunner:
             sampled_token_ids=sampled.token_ids,
             logprobs=sampled.logprobs,
             forward_time_s=forward_time,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(self, logits: torch.Tensor, inputs: StepInputs) -> list[PromptLogprobs]:
+        prompt = inputs.prompt
+        entries = self.sampler.prompt_logprobs(logits[len(inputs.sampled_states):], prompt.targets,
+                                               prompt.top_counts)
+        parts, at = [], 0
+        for request_id, start, count in prompt.parts:
+            parts.append(PromptLogprobs(request_id, start, entries[at:at + count]))
+            at += count
+        return parts
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_request_ids:
@@ -152,12 +188,14 @@ class ModelRunner:
         input_ids: list[int] = []
         sampled_states: list[CachedRequestState] = []
         logits_indices: list[int] = []
+        prompt = PromptRows()
         states = [self.states[request_id] for request_id in out.num_scheduled_tokens]
         for i, state in enumerate(states):
             start = state.num_computed_tokens
             end = start + int(counts[i])
             seq_lens[i] = end
             input_ids.extend(state.token_slice(start, end))
+            prompt.add(state, int(query_start_loc[i]), start, end)
             if end == state.num_tokens:
                 sampled_states.append(state)
                 logits_indices.append(int(query_start_loc[i + 1]) - 1)
@@ -174,8 +212,9 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(positions).to(self.device),
             layouts=layouts,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            logits_indices=torch.tensor(logits_indices + prompt.rows, dtype=torch.long, device=self.device),
             sampled_states=sampled_states,
+            prompt=prompt,
         )
 
     def _slots(self, states: list[CachedRequestState], counts: np.ndarray,

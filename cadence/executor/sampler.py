@@ -80,6 +80,13 @@ class Sampler:
             logprobs = gather_logprobs(raw_logprobs, tokens, plan.logprobs_k, ws)
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
 
+    def prompt_logprobs(self, logits: torch.Tensor, targets: list[int], top_counts: list[int]) -> list[TokenLogprobs]:
+        """Each row's logprob of its target (the prompt's next token) and its top ``top_counts``,
+        from the raw logits (as sampled tokens' logprobs)."""
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        tokens = torch.tensor(targets, dtype=torch.long, device=logits.device)
+        return gather_logprobs(raw, tokens, top_counts, self._workspace)
+
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The logits after logit bias, min-tokens mask and penalties: what greedy rows argmax.
 

@@ -1,8 +1,9 @@
 """``POST /v1/completions`` (``cadence/api/completions.py``) through the app over a scripted engine: a
 batch of prompts gives ``len(prompts) * n`` choices indexed prompt-major, ``echo`` puts the prompt's
 text before the first delta, logprobs' ``text_offset`` runs on across deltas, and ``suffix``,
-``best_of`` != ``n`` and ``echo`` with ``logprobs`` are refused naming the field; every body is
-checked against OpenAI's published schemas."""
+``best_of`` != ``n`` are refused naming the field, ``echo`` with ``logprobs`` asks the engine for the
+prompt's logprobs and puts them first (the first token's null); every body is checked against
+OpenAI's published schemas (but for that null, which the legacy API sends and the schema omits)."""
 
 from __future__ import annotations
 
@@ -192,7 +193,6 @@ def test_streamed_logprobs_carry_the_offsets_so_far(spec: OpenAISpec) -> None:
     ({"suffix": "!"}, "suffix", "suffix is not supported"),
     ({"best_of": 2}, "best_of", "best_of must equal n (1): cadence does not rank extra candidates"),
     ({"best_of": 3, "n": 2}, "best_of", "best_of must equal n (2): cadence does not rank extra candidates"),
-    ({"echo": True, "logprobs": 0}, "logprobs", "echo with logprobs needs the prompt's logprobs"),
 ])
 def test_unsupported_fields_are_refused_naming_the_field(spec: OpenAISpec, fields: dict[str, Any], param: str,
                                                          message: str) -> None:
@@ -205,6 +205,26 @@ def test_unsupported_fields_are_refused_naming_the_field(spec: OpenAISpec, field
         assert error["error"]["param"] == param and error["error"]["type"] == "invalid_request_error"
         assert error["error"]["message"].startswith(message)
         assert engine.calls == []
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_and_puts_them_first(spec: OpenAISpec) -> None:
+    """Each choice of the prompt gets its logprobs, the first token's null, offsets from 0 on."""
+    prompt = [TokenLogprobs(token_ids=[IS, PAR], logprobs=[-0.5, -0.25], sampled_rank=2)]
+    first = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[], finished=False,
+                          outputs=[out(0, "He", [HE], logprobs=[TokenLogprobs([HE], [-1.0], 1)]),
+                                   out(1, "llo", [LLO], logprobs=[TokenLogprobs([LLO], [-2.0], 1)])],
+                          prompt_logprobs=[None, *prompt])
+    engine = scripted(lambda _: [first, step(out(0, "", [7], "length"), out(1, "", [7], "length"))])
+    status, text = post(engine, {"prompt": "Paris", "echo": True, "logprobs": 1, "n": 2, "max_tokens": 2})
+    assert status == 200, text
+    assert engine.calls[0].request.params.prompt_logprobs == 1
+    choices = json.loads(text)["choices"]
+    assert [c["text"] for c in choices] == ["ParisHe", "Parisllo"]
+    logprobs = choices[0]["logprobs"]
+    assert logprobs["tokens"][:3] == ["Par", "is", "He"] and logprobs["text_offset"][:3] == [0, 3, 5]
+    assert logprobs["token_logprobs"][:3] == [None, -0.5, -1.0]
+    assert logprobs["top_logprobs"][:2] == [None, {"Par": -0.25, "is": -0.5}]
+    assert choices[1]["logprobs"]["token_logprobs"][:3] == [None, -0.5, -2.0]
 
 
 @pytest.mark.parametrize("fields", [{"suffix": ""}, {"best_of": 1}, {"best_of": 2, "n": 2}, {"echo": True},

@@ -19,6 +19,7 @@ from tokenizers import processors
 from cadence.api.constraints import ConstraintChecks
 from cadence.api.errors import APIError
 from cadence.api.params import (
+    ChatTemplateArgs,
     chat_prompt,
     check_stream_options,
     completion_prompts,
@@ -39,7 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "presence_penalty": 0.0,
     "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None, "max_tokens": 16, "min_tokens": 0,
     "stop": [], "stop_token_ids": [], "ignore_eos": False, "include_stop_str_in_output": False,
-    "skip_special_tokens": True, "logprobs": None, "structured_outputs": None,
+    "skip_special_tokens": True, "logprobs": None, "prompt_logprobs": None, "structured_outputs": None,
 }
 
 
@@ -104,8 +105,8 @@ def test_null_means_the_default_and_unknown_fields_are_ignored() -> None:
                            "top_k", "min_p", "repetition_penalty", "stop_token_ids", "structured_outputs",
                            "logprobs"])
     assert completion(**nulls, frobnicate=1, functions=[]) == CompletionRequest(prompt="x")
-    assert chat(max_completion_tokens=None, top_logprobs=None, logprobs=None, tools=[]) == ChatCompletionRequest(
-        messages=[ChatMessage(role="user", content="Hi")])
+    assert chat(max_completion_tokens=None, top_logprobs=None, logprobs=None, tools=None,
+                functions=[]) == ChatCompletionRequest(messages=[ChatMessage(role="user", content="Hi")])
 
 
 def test_chat_fields_decode() -> None:
@@ -257,6 +258,7 @@ def test_every_field_at_once() -> None:
                 "presence_penalty": 0.25, "frequency_penalty": 0.5, "repetition_penalty": 1.1, "logit_bias": {9: 5.0},
                 "max_tokens": 20, "min_tokens": 1, "stop": ["\n\n", "END"], "stop_token_ids": [0, 2],
                 "ignore_eos": True, "include_stop_str_in_output": True, "skip_special_tokens": False, "logprobs": 3,
+                "prompt_logprobs": None,
                 "structured_outputs": StructuredOutputsParams(choice=["yes", "no"])}
     for req in (completion(**body), chat(**body)):
         constraint = structured_outputs(req)
@@ -516,7 +518,7 @@ def test_one_user_message(tokenizer: Any) -> None:
     ids = chat_prompt(chat().messages, tokenizer)
     assert rendered(tokenizer, ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
-    ids = chat_prompt(chat().messages, tokenizer, add_generation_prompt=False)
+    ids = chat_prompt(chat().messages, tokenizer, ChatTemplateArgs(add_generation_prompt=False))
     assert rendered(tokenizer, ids) == "<|im_start|>user\nHi<|im_end|>\n"
 
 

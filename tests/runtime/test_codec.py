@@ -37,7 +37,8 @@ STEP = m.SchedulerOutput(
 
 REQUEST = m.EngineCoreRequest("r1", [1, 2, 3], PARAMS, eos_token_id=2, arrival_time=1.5, priority=-1, user="ann")
 OUTPUTS = m.EngineCoreOutputs([m.EngineCoreOutput("r1", [11], [LOGPROBS], "stop", 16, queue_time_s=0.5),
-                               m.EngineCoreOutput("r2", [], finish_reason="error", error="grammar did not compile")],
+                               m.EngineCoreOutput("r2", [], finish_reason="error", error="grammar did not compile",
+                                                  prompt_logprobs=[LOGPROBS])],
                               timestamp=3.0, stats=STATS)
 
 EXAMPLES: list[Any] = [
@@ -53,7 +54,8 @@ EXAMPLES: list[Any] = [
     m.AbortRequests([]),
     STEP,
     m.SchedulerOutput(8, [], [], {}, [], []),
-    m.ModelRunnerOutput(7, ["r1", "r2"], [11, 12], [LOGPROBS, LOGPROBS], forward_time_s=0.01),
+    m.ModelRunnerOutput(7, ["r1", "r2"], [11, 12], [LOGPROBS, LOGPROBS], forward_time_s=0.01,
+                        prompt_logprobs=[m.PromptLogprobs("r2", 1, [LOGPROBS, LOGPROBS])]),
     m.ModelRunnerOutput(8, ["r1"], [13]),
     m.ExecutorFailed(7, "boom"),
     m.WorkerReady(rank=1, num_blocks=40),
