@@ -1,14 +1,15 @@
 """Tool calling on the default model (SmolLM2-135M-Instruct, bf16) through a real ``cadence serve``
 and OpenAI's client: ``required`` and named tool choices always return calls of the given tools
 whose arguments validate against their schemas (jsonschema), streamed and not, over many seeds
-(the server enforces them with structured output, whatever the model would write), and a two-turn
-loop (call, the tool's result, an answer) through the same server."""
+(the server enforces them with structured output, whatever the model would write), a two-turn
+loop (call, the tool's result, an answer), and an ``openai-agents`` agent with a function tool on
+the SDK's default (Responses) model class and on its chat-completions one."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
@@ -96,3 +97,29 @@ def test_a_two_turn_loop_answers_after_the_tools_result(client: openai.OpenAI) -
     answer = second.choices[0]
     assert answer.finish_reason in ("stop", "length", "tool_calls") and second.usage is not None
     assert second.usage.prompt_tokens > first.usage.prompt_tokens if first.usage else True
+
+
+@pytest.mark.parametrize("model_class", ["OpenAIResponsesModel", "OpenAIChatCompletionsModel"])
+def test_an_agent_calls_its_tool_and_finishes(client: openai.OpenAI, model_class: str) -> None:
+    """The first turn must call the tool; the SDK then resets the choice to ``auto`` (the hermes
+    parser reads whatever the model writes) and runs until the model answers in text."""
+    import agents
+
+    agents.set_tracing_disabled(True)
+    calls: list[tuple[str, int]] = []
+
+    @agents.function_tool
+    def get_forecast(city: str, days: int, unit: Literal["celsius", "fahrenheit"]) -> str:
+        """The weather forecast for a city."""
+        calls.append((city, days))
+        return f"Sunny for {days} days in {city}, 24 {unit}"
+
+    async_client = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="none", max_retries=0)
+    agent = agents.Agent(
+        name="weather", instructions="Answer briefly.", tools=[get_forecast],
+        model=getattr(agents, model_class)(model=MODEL, openai_client=async_client),
+        model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                            temperature=0))
+    result = agents.Runner.run_sync(agent, "What will the weather be in Lisbon for 3 days?", max_turns=6)
+    assert calls and all(isinstance(city, str) and isinstance(days, int) for city, days in calls)
+    assert isinstance(result.final_output, str)
