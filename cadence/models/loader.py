@@ -206,6 +206,8 @@ def gguf_architecture(gguf: Path) -> tuple[str, str]:
 # GGUF metadata value types (gguf.GGUFValueType): fixed sizes in bytes; 8 is a string, 9 an array.
 _GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+# Arrays of arrays: real files nest one or two deep; a corrupt one could nest until Python's stack ends.
+_GGUF_MAX_NESTING = 32
 
 
 def _gguf_strings(gguf: Path, keys: set[str]) -> dict[str, str]:
@@ -260,8 +262,10 @@ class _GGUFMetadata:
     def string(self) -> str:
         return self._take(self.number("Q")).decode("utf-8", "replace")
 
-    def skip(self, kind: int, count: int = 1) -> None:
-        """Step over ``count`` values of GGUF type ``kind``."""
+    def skip(self, kind: int, count: int = 1, depth: int = 0) -> None:
+        """Step over ``count`` values of GGUF type ``kind`` (inside ``depth`` arrays)."""
+        if depth > _GGUF_MAX_NESTING:
+            raise ConfigError(f"{self._path} nests metadata arrays over {_GGUF_MAX_NESTING} deep")
         if kind in _GGUF_SIZES:
             self._skip_bytes(_GGUF_SIZES[kind] * count)
         elif kind == _GGUF_STRING:
@@ -270,7 +274,7 @@ class _GGUFMetadata:
         elif kind == _GGUF_ARRAY:
             for _ in range(count):
                 item = self.number("I")
-                self.skip(item, self.number("Q"))
+                self.skip(item, self.number("Q"), depth + 1)
         else:
             raise ConfigError(f"{self._path} has a metadata value of unknown type {kind}")
 

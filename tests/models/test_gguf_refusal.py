@@ -165,8 +165,10 @@ def _string(text: bytes) -> bytes:
     _header(keys=2) + _string(b"t") + struct.pack("<IIQ", 9, 8, 1) + struct.pack("<Q", (1 << 64) - 1),
     _header(keys=2) + _string(b"t") + struct.pack("<I", 77),  # no such value type
     _header(keys=0),  # no keys at all
+    # arrays of arrays 5,000 deep: 60 KB that once made the reader recurse until Python gave up
+    _header(keys=2) + _string(b"t") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0),
 ], ids=["empty", "text", "json", "v1", "huge-key", "max-key", "huge-string", "huge-array", "huge-array-string",
-        "bad-type", "no-keys"])
+        "bad-type", "no-keys", "deep-arrays"])
 def test_a_file_that_is_not_a_readable_gguf_is_refused(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
