@@ -78,7 +78,10 @@ class _Chat:
         self.mode = mode
         self.generation = Generation(state, self.id, [request], priority=req.priority, user=req.user,
                                      arrival=arrival)
-        self.choices = [_Choice(ChoiceOutput(mode, tool_parser, state.reasoning_parser)) for _ in range(self.n)]
+        constrained = constraint is not None
+        single = req.parallel_tool_calls is False
+        self.choices = [_Choice(ChoiceOutput(mode, tool_parser, state.reasoning_parser, constrained=constrained,
+                                             single_call=single)) for _ in range(self.n)]
         self.num_cached = 0
         self.num_generated = 0
 
@@ -169,9 +172,10 @@ async def create_chat_completion(request: web.Request, state: APIState) -> web.S
     model = state.check_model(req.model)
     include_usage = check_stream_options(req)
     tools = req.tools or []
+    own = structured_outputs(req)  # response_format "text" is none
     mode = tool_mode(tools, req.tool_choice, auto_tool_choice=settings.enable_auto_tool_choice,
-                     constrained=req.response_format is not None or req.structured_outputs is not None)
-    constraint = tool_constraint(tools, mode, req.parallel_tool_calls) or structured_outputs(req)
+                     constrained=own is not None)
+    constraint = tool_constraint(tools, mode, req.parallel_tool_calls) or own
     args = ChatTemplateArgs(add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message, tools=template_tools(tools),
                             template=settings.chat_template, kwargs=req.chat_template_kwargs)

@@ -40,12 +40,19 @@ class ChoiceOutput:
     :meth:`finish` once; whole: :meth:`message` of the whole text."""
 
     def __init__(self, mode: ToolMode, tool_parser: ToolParser | None,
-                 reasoning_parser: ReasoningParser | None) -> None:
+                 reasoning_parser: ReasoningParser | None, *, constrained: bool = False,
+                 single_call: bool = False) -> None:
         self._mode = mode
         self._tool_parser = tool_parser if mode.kind == "auto" else None
-        # The constraint of a required or named mode holds the output to JSON from its first token:
-        # there is no reasoning to split off.
-        self._reasoning_parser = reasoning_parser if mode.kind in ("none", "auto") else None
+        # An output constraint (a required or named mode's, or the request's own) holds the output
+        # to its grammar from the first token: it never opened a reasoning of its own (a grammar that
+        # allows an explicit <think> block is split as any output).
+        never_reasoned = constrained or mode.kind in ("required", "named")
+        if never_reasoned and reasoning_parser is not None and reasoning_parser.starts_in_reasoning:
+            reasoning_parser = None
+        self._reasoning_parser = reasoning_parser
+        # parallel_tool_calls false: the model's first call only (a required mode's grammar allows one).
+        self._max_calls = 1 if single_call else None
         self._reasoning: ReasoningStream | None = None
         self._tools: ToolCallStream | None = None
         self._ids: list[str] = []  # the streamed calls' ids, by index
@@ -79,7 +86,7 @@ class ChoiceOutput:
         calls = []
         if self._tool_parser is not None:
             parsed = self._tool_parser.parse(text)
-            content, calls = parsed.content, parsed.tool_calls
+            content, calls = parsed.content, parsed.tool_calls[:self._max_calls]
         elif self._mode.kind in ("required", "named"):
             content, calls = None, constrained_calls(text, self._mode)
         message = AssistantMessage(content=content)
@@ -131,7 +138,8 @@ class ChoiceOutput:
             if end:
                 last = self._tools.finish()
                 content, pieces = content + last.content, pieces + list(last.tool_calls)
-            calls = [self._call_delta(piece) for piece in pieces]
+            calls = [self._call_delta(piece) for piece in pieces
+                     if self._max_calls is None or piece.index < self._max_calls]
         elif kind == "named":
             assert self._mode.function is not None
             if content or not self._ids:  # the first delta opens the call, even before any argument

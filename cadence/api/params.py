@@ -272,20 +272,25 @@ def _conversation_entry(message: ChatMessage, index: int) -> dict[str, Any]:
     if message.tool_calls:
         entry["tool_calls"] = [
             {"id": call.id, "type": call.type,
-             "function": {"name": call.function.name,
-                          "arguments": _arguments(call.function.arguments, f"messages[{index}].tool_calls[{j}]")}}
+             "function": {"name": call.function.name, "arguments": call_arguments(
+                 call.function.arguments, f"messages[{index}].tool_calls[{j}].function.arguments")}}
             for j, call in enumerate(message.tool_calls)]
     return entry
 
 
-def _arguments(text: str, where: str) -> dict[str, Any]:
-    """A call's arguments as the object templates expect (they render it with ``tojson``)."""
+def call_arguments(text: str, param: str) -> dict[str, Any]:
+    """A call's arguments (the field ``param``) as the object templates expect (they render it with
+    ``tojson``).
+
+    :raises APIError: 400 naming ``param`` for text that is not a JSON object (or nests past what
+        the parser can hold: the body's depth check cannot see inside a string).
+    """
     try:
         arguments = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         arguments = None
     if not isinstance(arguments, dict):
-        raise bad_request(f"{where}.function.arguments must be a JSON object", param=f"{where}.function.arguments")
+        raise bad_request(f"{param} must be a JSON object", param=param)
     return arguments
 
 

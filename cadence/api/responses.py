@@ -9,6 +9,7 @@ answered whole.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -67,7 +68,9 @@ class _Run:
                  arrival: float) -> None:
         self.req = req
         self.model = model
-        self.id = f"resp_{request_id}"
+        # Made here, never taken from the client's X-Request-Id: the id is the key of its stored
+        # conversation, which another client must not reach or overwrite by sending the same header.
+        self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.num_prompt_tokens = len(prompt_ids)
         max_tokens = max_tokens_for(req.max_output_tokens, None, len(prompt_ids), state.limits,
@@ -76,8 +79,11 @@ class _Run:
         self.params = with_markup_tokens(sampling_params(sampling_fields(req), max_tokens=max_tokens, logprobs=None,
                                                          constraint=constraint), tool_parser)
         request = prepare(state, prompt_ids, self.params, prompt_param="input")
-        self.generation = Generation(state, self.id, [request], priority=req.priority, user=req.user, arrival=arrival)
-        self.output = ResponseOutput(ChoiceOutput(mode, tool_parser, state.reasoning_parser))
+        self.generation = Generation(state, f"resp-{request_id}", [request], priority=req.priority, user=req.user,
+                                     arrival=arrival)
+        self.output = ResponseOutput(ChoiceOutput(mode, tool_parser, state.reasoning_parser,
+                                                  constrained=constraint is not None,
+                                                  single_call=req.parallel_tool_calls is False))
         self.cut = False  # by the token limit
         self.num_cached = 0
         self.num_generated = 0

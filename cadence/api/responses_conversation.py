@@ -12,14 +12,13 @@ drops earlier reasoning. Any other item, or a part that is not text, is a 400 na
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
 
 from cadence.api.errors import bad_request, from_validation_error
-from cadence.api.params import structured_outputs
+from cadence.api.params import call_arguments, structured_outputs
 from cadence.api.protocol import (
     ChatMessage,
     ChatTool,
@@ -77,7 +76,7 @@ def input_messages(req: ResponsesRequest, earlier: Sequence[ChatMessage]) -> lis
         if isinstance(item, MessageInput):
             messages.append(ChatMessage(role=item.role, content=_text(item.content, f"{where}.content")))
         elif isinstance(item, FunctionCallInput):
-            _check_arguments(item.arguments, f"{where}.arguments")
+            call_arguments(item.arguments, f"{where}.arguments")  # templates render them as an object
             calls.add(item.call_id)
             _add_call(messages, MessageToolCall(id=item.call_id,
                                                 function=FunctionCall(name=item.name, arguments=item.arguments)))
@@ -184,14 +183,6 @@ def _text(content: str | list[InputPart], where: str) -> str | list[ContentPart]
     return [ContentPart(type="text", text=part.text) for part in content]
 
 
-def _check_arguments(text: str, where: str) -> None:
-    """Templates render a call's arguments as an object (the chat endpoint parses them the same way)."""
-    try:
-        arguments = json.loads(text)
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise bad_request(f"{where} must be a JSON object", param=where)
 
 
 def _add_call(messages: list[ChatMessage], call: MessageToolCall) -> None:

@@ -116,7 +116,7 @@ def _whole_items(text: str) -> list[Any]:
         at = len(text) - len(text[at:].lstrip(" \t\r\n,"))  # to the next item
         try:
             item, at = _DECODER.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             break  # the end of the array, or an item cut short
         items.append(item)
     return items

@@ -85,7 +85,12 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
 
     def _delta(self, sequence: _Sequence, output: EngineCoreOutput) -> SequenceDelta:
         detokenizer = sequence.detokenizer
-        text = detokenizer.update(output.new_token_ids).new_text
+        ids = output.new_token_ids
+        if output.finish_reason == "stop" and ids and not sequence.params.include_stop_str_in_output:
+            # The engine stopped on this token (EOS or a stop token id): not text of the answer, as
+            # in vLLM (with skip_special_tokens off, an EOS's "</s>" would otherwise end every answer).
+            ids = ids[:-1]
+        text = detokenizer.update(ids).new_text
         finish_reason, error = output.finish_reason, output.error
         stop_reason: str | int | None = None
         if finish_reason is not None and detokenizer.stop_string is None:

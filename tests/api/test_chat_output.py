@@ -13,6 +13,7 @@ import pytest
 
 from cadence.api.chat_output import ChoiceOutput
 from cadence.api.errors import APIError
+from cadence.api.params import call_arguments
 from cadence.api.protocol import ChatCompletionRequest, DeltaMessage
 from cadence.api.reasoning_parsers import load_reasoning_parser
 from cadence.api.tool_parsers import load_tool_parser
@@ -129,3 +130,32 @@ def test_tools_reach_the_template_as_openai_function_objects() -> None:
         {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "description": "Forecast"}},
         {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
     assert template_tools(request().tools) is None
+
+
+DEEP = "[" * 5000 + "]" * 5000  # past Python's recursion limit, inside a string the body check cannot see
+
+
+def test_arguments_nested_past_the_parsers_stack_are_content_or_a_400_never_a_crash() -> None:
+    hermes_text = '<tool_call>{"name": "now", "arguments": {"x": ' + DEEP + "}}</tool_call>"
+    assert HERMES.parse(hermes_text).tool_calls == []
+    assert constrained_calls("[" + DEEP, ToolMode("required")) == []
+    with pytest.raises(APIError) as caught:
+        call_arguments(DEEP, "messages[1].tool_calls[0].function.arguments")
+    assert caught.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_an_output_constraint_turns_the_reasoning_split_off() -> None:
+    """deepseek_r1 takes text without a </think> for reasoning; a constrained output has none."""
+    deepseek = load_reasoning_parser("deepseek_r1")
+    text = '{"answer": 42}'
+    assert whole(ChoiceOutput(ToolMode("none"), None, deepseek), text)["reasoning"] == text
+    assert whole(ChoiceOutput(ToolMode("none"), None, deepseek, constrained=True), text) == {
+        "content": text, "reasoning": "", "calls": []}
+
+
+def test_without_parallel_tool_calls_only_the_first_call_is_kept() -> None:
+    mode, _, text = CASES[3]  # content, then two calls
+    expected = {"content": "Sure. ", "reasoning": "", "calls": [["now", "{}"]]}
+    assert whole(ChoiceOutput(mode, HERMES, None, single_call=True), text) == expected
+    for cut in range(len(text) + 1):
+        assert streamed(ChoiceOutput(mode, HERMES, None, single_call=True), [text[:cut], text[cut:]]) == expected

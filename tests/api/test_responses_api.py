@@ -344,7 +344,7 @@ def test_a_failure_mid_stream_is_one_error_event(spec: OpenAISpec) -> None:
     for number, (kind, data) in enumerate(events):
         spec.validate(data, EVENT_SCHEMAS[kind])
         assert data["sequence_number"] == number
-    assert request_id == "r7" and events[0][1]["response"]["id"] == "resp_r7"
+    assert request_id == "r7" and events[0][1]["response"]["id"].startswith("resp_")  # the id is never the header
     assert [kind for kind, _ in events] == ["response.created", "response.in_progress", "response.output_item.added",
                                             "response.content_part.added", "response.output_text.delta", "error"]
     assert events[-1][1]["code"] == "internal_error" and "the engine broke" in events[-1][1]["message"]

@@ -311,3 +311,12 @@ def test_a_broken_or_wrong_plugin_is_named(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_the_package_exports_the_contract() -> None:
     assert tool_parsers.collect([]) == message(None)
+
+
+def test_a_mistral_name_longer_than_openai_allows_is_content() -> None:
+    """64 characters at most: a run past it is content at once, and no piece rescans more than that."""
+    parser = MistralToolParser()
+    longest = "f" * 64
+    assert parser.parse(f"[TOOL_CALLS]{longest}[ARGS]{{}}").tool_calls == [FunctionCall(longest, "{}")]
+    too_long = f"[TOOL_CALLS]{longest}g[ARGS]{{}}"
+    assert parser.parse(too_long) == ParsedMessage(too_long, [])

@@ -111,6 +111,14 @@ def test_required_choice_always_returns_calls_valid_under_their_schemas(client: 
         jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
 
 
+def test_the_default_response_format_is_no_constraint_beside_a_required_choice(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model=_model(client), messages=ASK, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, response_format={"type": "text"},
+                                            max_tokens=350, temperature=0)
+    (call,) = answer.choices[0].message.tool_calls or []
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_function_is_always_called_with_valid_arguments(client: openai.OpenAI, stream: bool) -> None:
     choice: Any = {"type": "function", "function": {"name": "get_time"}}

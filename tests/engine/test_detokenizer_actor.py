@@ -113,9 +113,9 @@ async def test_a_sequence_ending_mid_character_flushes_a_replacement_character(t
 
 
 async def test_several_tokens_in_one_step(tokenizer: Any) -> None:
-    _, batches, _ = await run(tokenizer, track("r"), step(out("r", TOKENS[:5])), step(out("r", TOKENS[5:], "stop")))
+    _, batches, _ = await run(tokenizer, track("r"), step(out("r", TOKENS[:5])), step(out("r", TOKENS[5:], "length")))
     assert [[(d.new_text, d.finish_reason) for d in batch] for batch in batches] == [
-        [("Hello world", None)], [("! How are you today?", "stop")]]
+        [("Hello world", None)], [("! How are you today?", "length")]]
 
 
 async def test_a_stop_string_finishes_the_sequence_and_aborts_it_in_the_engine(tokenizer: Any) -> None:
@@ -158,15 +158,23 @@ async def test_a_stop_token_is_reported_as_the_stop_reason(tokenizer: Any) -> No
     _, batches, aborts = await run(tokenizer, track("t", stop_token_ids=[3]), track("e"),
                                    step(out("t", TOKENS[:6], "stop"), out("e", [*TOKENS[:2], 0], "stop")))
     [[stopped, eos]] = batches
-    assert (stopped.new_text, stopped.finish_reason, stopped.stop_reason) == ("Hello world!", "stop", 3)
-    assert (eos.new_text, eos.finish_reason, eos.stop_reason) == ("Hello", "stop", None)  # EOS is skipped
+    # The token the engine stopped on is not text of the answer (as vLLM), but its id is there.
+    assert (stopped.new_text, stopped.finish_reason, stopped.stop_reason) == ("Hello world", "stop", 3)
+    assert stopped.new_token_ids == TOKENS[:6]
+    assert (eos.new_text, eos.finish_reason, eos.stop_reason) == ("Hello", "stop", None)
     assert aborts == []  # the engine finished them itself
 
 
-async def test_special_tokens_are_kept_when_asked(tokenizer: Any) -> None:
-    _, batches, _ = await run(tokenizer, track("r", skip_special_tokens=False),
-                              step(out("r", [*TOKENS[:2], 0], "stop")))
-    assert batches[0][0].new_text == "Hello<|endoftext|>"
+async def test_special_tokens_are_kept_when_asked_but_not_the_stop_token(tokenizer: Any) -> None:
+    _, batches, _ = await run(tokenizer, track("r", skip_special_tokens=False), track("s", skip_special_tokens=False),
+                              step(out("r", [*TOKENS[:2], 0], "length"), out("s", [*TOKENS[:2], 0], "stop")))
+    assert [d.new_text for d in batches[0]] == ["Hello<|endoftext|>", "Hello"]
+
+
+async def test_the_stop_token_is_text_with_include_stop_str_in_output(tokenizer: Any) -> None:
+    _, batches, _ = await run(tokenizer, track("r", stop_token_ids=[3], include_stop_str_in_output=True),
+                              step(out("r", TOKENS[:6], "stop")))
+    assert batches[0][0].new_text == "Hello world!"
 
 
 async def test_what_the_engine_reports_passes_through(tokenizer: Any) -> None:

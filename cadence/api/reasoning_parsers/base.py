@@ -52,6 +52,9 @@ class ReasoningParser(abc.ABC):
     """Splits a model's output into reasoning and content. Stateless: one instance serves every request."""
 
     name: ClassVar[str]
+    # The output begins inside the reasoning (the chat template opened it: DeepSeek-R1). An output
+    # held to a grammar from its first token never reasoned, so the chat endpoint splits nothing then.
+    starts_in_reasoning: ClassVar[bool] = False
 
     @abc.abstractmethod
     def split(self, text: str) -> ReasoningSplit:

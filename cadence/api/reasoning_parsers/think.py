@@ -24,7 +24,6 @@ text (docs/tools_and_reasoning.md).
 from __future__ import annotations
 
 import enum
-from typing import ClassVar
 
 from cadence.api.markers import partial_marker
 from cadence.api.reasoning_parsers.base import ReasoningDelta, ReasoningParser, ReasoningSplit, ReasoningStream
@@ -89,8 +88,6 @@ class ThinkStream(ReasoningStream):
 
 class ThinkReasoningParser(ReasoningParser):
     """Reasoning fenced by ``<think>`` ... ``</think>``; subclasses say where an unmarked output belongs."""
-
-    starts_in_reasoning: ClassVar[bool]
 
     def split(self, text: str) -> ReasoningSplit:
         if text.startswith(START):

@@ -91,7 +91,7 @@ def object_members(text: str) -> dict[str, tuple[Any, str]] | None:
                 if text[at:at + 1] != ",":
                     break
                 at = _past(text, at, ",")
-    except ValueError:  # not JSON, or it ended early
+    except (ValueError, RecursionError):  # not JSON, it ended early, or it nests past Python's stack
         return None
     return members if text[at:] == "}" else None
 

@@ -18,8 +18,9 @@ from cadence.api.tool_parsers.json_call import JsonCallStream, object_members
 from cadence.api.tool_parsers.markup_stream import skip_space
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
-# What OpenAI allows in a function name.
+# What OpenAI allows in a function name, and its longest.
 NAME_CHARACTERS = frozenset(ascii_letters + digits + "_-")
+MAX_NAME = 64
 
 
 class MistralToolParser(ToolParser):
@@ -72,10 +73,14 @@ class _MistralStream(JsonCallStream):
         return True
 
     def _in_name(self, final: bool) -> bool:
-        """The name runs up to ``[ARGS]`` (or straight to the arguments' brace)."""
+        """The name runs up to ``[ARGS]`` (or straight to the arguments' brace), at most
+        :data:`MAX_NAME` characters (OpenAI's limit): a longer run is content, and each piece of a
+        stream rescans no more than that."""
         end = self._cursor
         while end < len(self._buffer) and self._buffer[end] in NAME_CHARACTERS:
             end += 1
+            if end - self._cursor > MAX_NAME:
+                return self._reject(end)
         rest = self._buffer[end:]
         if rest.startswith(ARGS) or rest.startswith("{"):
             self._name = self._buffer[self._cursor:end]
