@@ -285,13 +285,19 @@ def call_arguments(text: str, param: str) -> dict[str, Any]:
     :raises APIError: 400 naming ``param`` for text that is not a JSON object (or nests past what
         the parser can hold: the body's depth check cannot see inside a string).
     """
-    try:
-        arguments = json.loads(text)
-    except (ValueError, RecursionError):
-        arguments = None
-    if not isinstance(arguments, dict):
+    arguments = json_object(text)
+    if arguments is None:
         raise bad_request(f"{param} must be a JSON object", param=param)
     return arguments
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    """The JSON object ``text`` holds; None for anything else (nesting past the parser's stack too)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _text_content(message: ChatMessage, index: int) -> str:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from cadence.api.errors import bad_request, from_validation_error
-from cadence.api.params import call_arguments, structured_outputs
+from cadence.api.params import call_arguments, json_object, structured_outputs
 from cadence.api.protocol import (
     ChatMessage,
     ChatTool,
@@ -96,10 +96,12 @@ def with_instructions(req: ResponsesRequest, messages: list[ChatMessage]) -> lis
 
 def output_messages(items: Sequence[OutputItem]) -> list[ChatMessage]:
     """A response's output as the assistant turn a later request continues from: its text and its
-    calls (reasoning dropped, and a call cut short too: its arguments may not parse)."""
+    calls (reasoning dropped, and calls whose arguments are no JSON object: cut short, or cut by a
+    stop string, they would make every later turn a 400 about a field the client never sent)."""
     texts = [part.text for item in items if isinstance(item, OutputMessage) for part in item.content]
     calls = [MessageToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
-             for item in items if isinstance(item, FunctionToolCall) and item.status == "completed"]
+             for item in items if isinstance(item, FunctionToolCall) and item.status == "completed"
+             and json_object(item.arguments) is not None]
     if not texts and not calls:
         return []
     message = ChatMessage(role="assistant", content="".join(texts) if texts else None)

@@ -446,7 +446,10 @@ def test_a_response_is_continued_from_its_text_and_completed_calls() -> None:
     items = [ReasoningItem(id="rs", status="completed"),
              OutputMessage(id="m", status="completed", content=[OutputText(text="Let me see.")]),
              FunctionToolCall(id="f1", call_id="c1", name="get_time", arguments='{"zone": "UTC"}', status="completed"),
-             FunctionToolCall(id="f2", call_id="c2", name="get_time", arguments='{"zo', status="incomplete")]
+             FunctionToolCall(id="f2", call_id="c2", name="get_time", arguments='{"zo', status="incomplete"),
+             # completed, but no object: a named call cut by a stop string, or a schema that allows "x"
+             FunctionToolCall(id="f3", call_id="c3", name="get_time", arguments='{"zone": "U', status="completed"),
+             FunctionToolCall(id="f4", call_id="c4", name="get_time", arguments='"x"', status="completed")]
     (message,) = output_messages(items)
     assert (message.role, message.content, [call.id for call in message.tool_calls or []]) == (
         "assistant", "Let me see.", ["c1"])
