@@ -97,10 +97,12 @@ class _Completion:
                 text = self.echo[prompt_index] + text
             logprobs = None
             if self.req.logprobs is not None:
+                echoed = self.prompt_logprobs[prompt_index] if first else None
+                if echoed is not None:  # offsets run on from the prompt's tokens' texts, as vLLM's
+                    choice.offset = echoed.text_offset[-1] + len(echoed.tokens[-1])
                 logprobs = completion_logprobs(seq.logprobs or [], self.state.texts, choice.offset)
                 choice.offset += sum(len(t) for t in logprobs.tokens)
-                echoed = self.prompt_logprobs[prompt_index]
-                if first and echoed is not None:  # the echoed prompt's logprobs lead its first chunk
+                if echoed is not None:  # the echoed prompt's logprobs lead its first chunk
                     logprobs = merge_completion_logprobs([echoed, logprobs])
                 choice.logprobs.append(logprobs)
             choice.text.append(text)
