@@ -12,7 +12,6 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 from aiohttp import web
 from msgspec import Struct
@@ -34,7 +33,7 @@ from cadence.api.protocol import (
     VersionResponse,
     encode,
 )
-from cadence.api.request_body import REQUEST_ID_HEADER, read_json, request_id_of
+from cadence.api.request_body import REQUEST_ID_HEADER, request_id_of
 from cadence.api.response_store import RESPONSE_STORE, ResponseStore
 from cadence.api.responses import create_response
 from cadence.api.serving import APIState, ServerSettings, engine_dead
@@ -47,7 +46,6 @@ STATE = web.AppKey("cadence_state", APIState)
 _OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 Handler = Callable[[web.Request, APIState], Awaitable[web.StreamResponse]]
-T = TypeVar("T")
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
@@ -115,7 +113,7 @@ async def _metrics(request: web.Request, state: APIState) -> web.StreamResponse:
 async def _tokenize(request: web.Request, state: APIState) -> web.StreamResponse:
     """Any length of text (counting tokens past the context is what it is for), within the body limit
     and the preprocessing deadline."""
-    req = await _read(request, state, TokenizeRequest)
+    req = await state.read(request, TokenizeRequest)
     state.check_model(req.model)
     tokenizer = state.tokenizer
     if req.messages is not None and req.prompt is None:
@@ -135,7 +133,7 @@ async def _tokenize(request: web.Request, state: APIState) -> web.StreamResponse
 
 
 async def _detokenize(request: web.Request, state: APIState) -> web.StreamResponse:
-    req = await _read(request, state, DetokenizeRequest)
+    req = await state.read(request, DetokenizeRequest)
     state.check_model(req.model)
     vocab = state.limits.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
@@ -143,12 +141,6 @@ async def _detokenize(request: web.Request, state: APIState) -> web.StreamRespon
     text = await in_thread(lambda: str(state.tokenizer.decode(req.tokens)),
                            timeout_s=state.settings.preprocess_timeout_s, what="decoding the tokens", param="tokens")
     return _json(DetokenizeResponse(prompt=text))
-
-
-async def _read(request: web.Request, state: APIState, kind: type[T]) -> T:
-    settings = state.settings
-    return await read_json(request, kind, max_bytes=settings.max_request_body_bytes,
-                           timeout_s=settings.request_read_timeout_s)
 
 
 @web.middleware

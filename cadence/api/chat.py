@@ -34,7 +34,7 @@ from cadence.api.protocol import (
     Usage,
     encode,
 )
-from cadence.api.request_body import read_json, request_id_of
+from cadence.api.request_body import request_id_of
 from cadence.api.serving import APIState, Generation, prepare
 from cadence.api.streaming import SSEStream, stream_response
 from cadence.api.tools import ToolMode, template_tools, tool_constraint, tool_mode
@@ -167,8 +167,7 @@ def _num_logprobs(req: ChatCompletionRequest) -> int | None:
 async def create_chat_completion(request: web.Request, state: APIState) -> web.StreamResponse:
     arrival = time.monotonic()
     settings = state.settings
-    req = await read_json(request, ChatCompletionRequest, max_bytes=settings.max_request_body_bytes,
-                          timeout_s=settings.request_read_timeout_s)
+    req = await state.read(request, ChatCompletionRequest)
     model = state.check_model(req.model)
     include_usage = check_stream_options(req)
     tools = req.tools or []

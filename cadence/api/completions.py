@@ -30,7 +30,7 @@ from cadence.api.protocol import (
     Usage,
     encode,
 )
-from cadence.api.request_body import read_json, request_id_of
+from cadence.api.request_body import request_id_of
 from cadence.api.serving import APIState, Generation, prepare
 from cadence.api.streaming import SSEStream, stream_response
 from cadence.engine.admission import PreparedRequest
@@ -137,8 +137,7 @@ class _Completion:
 async def create_completion(request: web.Request, state: APIState) -> web.StreamResponse:
     arrival = time.monotonic()
     settings = state.settings
-    req = await read_json(request, CompletionRequest, max_bytes=settings.max_request_body_bytes,
-                          timeout_s=settings.request_read_timeout_s)
+    req = await state.read(request, CompletionRequest)
     model = state.check_model(req.model)
     _check_unsupported(req)
     include_usage = check_stream_options(req)

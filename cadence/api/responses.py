@@ -19,7 +19,7 @@ from cadence.api.conversation import conversation_prompt
 from cadence.api.errors import bad_request
 from cadence.api.params import ChatTemplateArgs, max_tokens_for, sampling_params
 from cadence.api.protocol import ChatMessage, encode
-from cadence.api.request_body import read_json, request_id_of
+from cadence.api.request_body import request_id_of
 from cadence.api.response_store import RESPONSE_STORE, ResponseStore
 from cadence.api.responses_conversation import (
     chat_tool_choice,
@@ -144,8 +144,7 @@ def _check_served(req: ResponsesRequest) -> None:
 async def create_response(request: web.Request, state: APIState) -> web.StreamResponse:
     arrival = time.monotonic()
     settings = state.settings
-    req = await read_json(request, ResponsesRequest, max_bytes=settings.max_request_body_bytes,
-                          timeout_s=settings.request_read_timeout_s)
+    req = await state.read(request, ResponsesRequest)
     model = state.check_model(req.model)
     _check_served(req)
     store = request.app[RESPONSE_STORE]

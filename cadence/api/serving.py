@@ -15,9 +15,10 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 import anyio
+from aiohttp import web
 
 from cadence.api.constraints import ConstraintChecks
 from cadence.api.errors import APIError, bad_request, overloaded
@@ -31,6 +32,7 @@ from cadence.api.logprobs import TokenTexts
 from cadence.api.metrics import APIMetrics, EngineState, RequestTimer
 from cadence.api.params import TextBound, longest_token_bytes
 from cadence.api.reasoning_parsers import load_reasoning_parser
+from cadence.api.request_body import read_json
 from cadence.api.tool_parsers import load_tool_parser
 from cadence.engine.admission import PreparedRequest
 from cadence.engine.async_engine import AsyncEngine
@@ -40,6 +42,8 @@ from cadence.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
+T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -117,6 +121,11 @@ class APIState:
     @property
     def num_in_flight(self) -> int:
         return len(self._in_flight)
+
+    async def read(self, request: web.Request, kind: type[T]) -> T:
+        """The request's body as ``kind``, within this server's size and time limits (:func:`read_json`)."""
+        return await read_json(request, kind, max_bytes=self.settings.max_request_body_bytes,
+                               timeout_s=self.settings.request_read_timeout_s)
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with. :raises APIError: 404 for a model this server does not serve."""
