@@ -296,7 +296,7 @@ class Scheduler:
         """The request's prefix-cache hit; none for one that wants its prompt's logprobs, whose
         every position must be computed (as vLLM)."""
         if request.sampling_params.prompt_logprobs is not None:
-            return [[] for _ in range(self.allocator.num_groups)], 0
+            return [], 0  # allocate() takes no hit lists as no hits
         return self.allocator.get_computed_blocks(request)
 
     def _preempt_for(self, request: Request, step: _StepPlan) -> bool:
