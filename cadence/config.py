@@ -36,9 +36,17 @@ class ModelConfig:
     dtype: str
     max_model_len: int
     seed: int = 0
+    # How the weights are kept (resolve_quantization): floats of ``dtype``, the GGUF file's own
+    # quantized types (read from ``gguf_file``), or int8 per output channel (docs/quantization.md).
+    quantization: str = "none"
+    gguf_file: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {self.dtype!r}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization must be one of {list(QUANTIZATIONS)} or 'auto', got {self.quantization!r}")
+        _require(self.quantization != "gguf" or self.gguf_file is not None,
+                 "quantization 'gguf' keeps a GGUF file's quantized weights: give a .gguf model file")
         _require(self.max_model_len >= 2, f"max_model_len must be at least 2, got {self.max_model_len}")
 
     @property
@@ -201,6 +209,16 @@ def parse_memory(text: str | int) -> int:
     if match is None or unit not in _MEMORY_UNITS:
         raise ConfigError(f"cannot read memory size {text!r}; write e.g. 2GiB, 512MB or a byte count")
     return int(float(match.group(1)) * _MEMORY_UNITS[unit])
+
+
+QUANTIZATIONS = ("none", "gguf", "int8")
+
+
+def resolve_quantization(quantization: str, gguf_file: str | None) -> str:
+    """``auto`` keeps a GGUF file's quantized types (``gguf``) and runs any other model unquantized."""
+    if quantization != "auto":
+        return quantization
+    return "gguf" if gguf_file is not None else "none"
 
 
 def resolve_dtype(dtype: str) -> str:

@@ -20,8 +20,9 @@ from cadence.config import (
     SchedulerConfig,
     parse_memory,
     resolve_dtype,
+    resolve_quantization,
 )
-from cadence.models.loader import load_hf_config, max_model_len_of, resolve_model
+from cadence.models.loader import gguf_file_of, load_hf_config, max_model_len_of, resolve_model
 from cadence.models.registry import architectures_of, check_supported
 
 # A step's token budget when none is set (with chunked prefill), by what the engine is for, as vLLM
@@ -51,6 +52,10 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata=_flag(
         "weights and activations; auto is bf16 where the CPU supports it",
         choices=["auto", "bfloat16", "float32", "float16"]))
+    quantization: str = field(default="auto", metadata=_flag(
+        "how weights are kept: auto keeps a .gguf file's quantized types (gguf) and runs other models in "
+        "--dtype (none); int8 quantizes the linear layers per output channel (docs/quantization.md)",
+        choices=["auto", "gguf", "int8", "none"], aliases=["-q"]))
     max_model_len: int | None = field(default=None, metadata=_flag("context length (default: the model's)"))
     seed: int = field(default=0, metadata=_flag("global random seed"))
     block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
@@ -84,6 +89,7 @@ class EngineArgs:
         """Resolve the model (converting a GGUF once), refuse an architecture no installed package runs
         (``docs/models.md``), then build and validate the config tree."""
         path = resolve_model(self.model)  # a GGUF's architecture is checked before it is converted
+        gguf_file = gguf_file_of(self.model)
         hf_config = load_hf_config(path)
         # Here, not in the worker: that would first start the engine core, its workers and kernels.
         check_supported(architectures_of(hf_config), f"model {path}")
@@ -97,7 +103,8 @@ class EngineArgs:
             batched = budget if self.enable_chunked_prefill else max(budget, max_model_len)
         return EngineConfig(
             model=ModelConfig(path=path, dtype=resolve_dtype(self.dtype), max_model_len=max_model_len,
-                              seed=self.seed),
+                              seed=self.seed, quantization=resolve_quantization(self.quantization, gguf_file),
+                              gguf_file=gguf_file),
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory=None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory),

@@ -2,7 +2,8 @@
 
 ``paged_attention.cpp`` reads decode attention straight from the paged KV cache; ``layer_ops.cpp``
 fuses a decoder layer's per-token ops (RMSNorm with its residual add, RoPE, SiLU-and-multiply);
-``bf16_linear.cpp`` is the bf16 GEMM of the linear layers on CPUs with AVX512-BF16; ``greedy.cpp``
+``bf16_linear.cpp`` is the bf16 GEMM of the linear layers on CPUs with AVX512-BF16,
+``quant_linear.cpp`` the GEMM over quantized weights on CPUs with AVX512-VNNI; ``greedy.cpp``
 is the sampler's argmax.
 The build runs once per set of sources: about 85 CPU-seconds here (48 s on 2 cores), so it says so
 on the ``cadence.startup`` logger before and after, with a progress bar of the files compiled on a
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 _NAME = "cadence_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "greedy.cpp")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "quant_linear.cpp", "greedy.cpp")
 # The instruction sets the kernels use (the build targets exactly these, not the build machine); no
 # contraction of a multiply and an add into one FMA where torch rounds the product first.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
@@ -81,7 +82,8 @@ _LOCK_POLL_S = 0.1
 def cpu_ops() -> Any | None:
     """``torch.ops.cadence_cpu`` (``store_kv``, ``paged_attention``, ``rms_norm``, ``add_rms_norm``,
     ``silu_and_mul``, ``rotary_embedding``, ``bf16_linear_supported``, ``pack_bf16_linear``,
-    ``bf16_linear``, ``argmax_rows``; signatures in ``csrc/``), or None where the kernels cannot run here."""
+    ``bf16_linear``, ``quant_linear_supported``, ``quant_linear``, ``argmax_rows``; signatures in
+    ``csrc/``), or None where the kernels cannot run here."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
         logger.info("cadence CPU kernels off: the CPU lacks AVX-512 (%s); using torch ops", capability)

@@ -9,13 +9,18 @@ Each layer reads only its rows or columns of a checkpoint tensor (``tensor[rows]
 on a lazily read safetensors slice), so no rank materialises the full model. At world size 1 each
 forward is the single ``F.linear`` / ``F.embedding`` call of the unsharded module (or, for bf16 on
 the CPU, the GEMM of the prepacked weight: see :func:`pack_weights`).
+
+A layer handed a :class:`QuantizedCheckpointTensor` for its weight keeps it quantized: it takes its
+shard's blocks (a row split, or a column split on whole blocks), and :func:`pack_weights` packs them
+for ``cadence/quantization/packed.py``'s linear (docs/quantization.md).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from dataclasses import replace
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,8 @@ from torch import nn
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.distributed.group import ParallelGroup
 from cadence.distributed.partition import Split
+from cadence.quantization.blocks import BlockCodes, concat_rows, quantize_int8
+from cadence.quantization.packed import QuantizedMatrix, pack, quantized_linear, unpack_rows
 
 
 class CheckpointTensor(Protocol):
@@ -35,10 +42,30 @@ class CheckpointTensor(Protocol):
     def __getitem__(self, index: Any, /) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class QuantizedCheckpointTensor(CheckpointTensor, Protocol):
+    """A checkpoint tensor whose weight can be read as quantized blocks (a GGUF file's)."""
+
+    def block_codes(self, rows: slice, cols: slice) -> BlockCodes: ...
+
+
 class ShardedLayer(nn.Module):
-    """A layer whose parameters are one rank's shard of ``num_shards`` checkpoint tensors each."""
+    """A layer whose parameters are one rank's shard of ``num_shards`` checkpoint tensors each.
+
+    A weight shard given quantized is kept in ``staged`` until :func:`pack_weights`.
+    """
 
     num_shards: int = 1
+    staged: dict[int, BlockCodes]
+
+    def stage(self, tensor: CheckpointTensor, expected: tuple[int, ...], shard: int, rows: slice, cols: slice) -> bool:
+        """Keep shard ``shard`` of a quantized weight as blocks; False where ``tensor`` is not one."""
+        if not isinstance(tensor, QuantizedCheckpointTensor):
+            return False
+        _check_shape(tensor, expected)
+        self.staged = getattr(self, "staged", {})
+        self.staged[shard] = tensor.block_codes(rows, cols)
+        return True
 
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
         """Copy this rank's part of checkpoint tensor ``shard`` into parameter ``name``.
@@ -60,9 +87,13 @@ def load_parameter(module: nn.Module, name: str, tensor: CheckpointTensor, shard
     _copy(param, tensor, tuple(param.shape), slice(None))
 
 
-def _copy(target: torch.Tensor, tensor: CheckpointTensor, expected: tuple[int, ...], index: Any) -> None:
+def _check_shape(tensor: CheckpointTensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(f"checkpoint shape {tuple(tensor.shape)} does not match the model's {expected}")
+
+
+def _copy(target: torch.Tensor, tensor: CheckpointTensor, expected: tuple[int, ...], index: Any) -> None:
+    _check_shape(tensor, expected)
     with torch.no_grad():
         target.copy_(tensor[index])
 
@@ -97,7 +128,8 @@ class ColumnParallelLinear(ShardedLayer):
         part = self.parts[shard]
         target = getattr(self, name)[self._offsets[shard]:self._offsets[shard + 1]]
         expected = (part.total, self.in_features) if name == "weight" else (part.total,)
-        _copy(target, tensor, expected, part.indices)
+        if name != "weight" or not self.stage(tensor, expected, shard, part.indices, slice(None)):
+            _copy(target, tensor, expected, part.indices)
 
 
 class RowParallelLinear(ShardedLayer):
@@ -123,7 +155,9 @@ class RowParallelLinear(ShardedLayer):
 
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
         if name == "weight":
-            _copy(self.weight, tensor, (self.out_features, self.part.total), (slice(None), self.part.indices))
+            expected = (self.out_features, self.part.total)
+            if not self.stage(tensor, expected, shard, slice(None), self.part.indices):
+                _copy(self.weight, tensor, expected, (slice(None), self.part.indices))
         else:
             _copy(getattr(self, name), tensor, (self.out_features,), slice(None))
 
@@ -145,6 +179,7 @@ class VocabParallelEmbedding(ShardedLayer):
         self.hidden_size = hidden_size
         self.group = group
         self.lookups = lookups
+        self.dtype = dtype
         self.per_rank = -(-vocab_size // group.world_size)
         start = min(group.rank * self.per_rank, vocab_size)
         self.rows = Split(vocab_size, start, min(self.per_rank, vocab_size - start))
@@ -159,11 +194,17 @@ class VocabParallelEmbedding(ShardedLayer):
         """Embeddings ``[T, hidden]`` of ``input_ids``: each rank looks up its rows, zeros the rest, and
         the all-reduce adds the one non-zero contribution per token."""
         if self.group.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.rows.start
         outside = (local < 0) | (local >= self.rows.size)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         return self.group.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        weight: torch.Tensor | QuantizedMatrix = self.weight
+        if isinstance(weight, QuantizedMatrix):
+            return unpack_rows(weight, rows.reshape(-1), self.dtype).view(*rows.shape, self.hidden_size)
+        return F.embedding(rows, weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden @ W.T`` over the whole vocabulary ``[B, vocab]``: each rank's slice, all-gathered."""
@@ -174,14 +215,19 @@ class VocabParallelEmbedding(ShardedLayer):
         return self.group.all_gather(local)[:, :self.vocab_size]
 
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
-        _copy(self.weight[:self.rows.size], tensor, (self.vocab_size, self.hidden_size), self.rows.indices)
+        expected = (self.vocab_size, self.hidden_size)
+        if not self.stage(tensor, expected, shard, self.rows.indices, slice(None)):
+            _copy(self.weight[:self.rows.size], tensor, expected, self.rows.indices)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``F.linear``, or a GEMM on a weight that :func:`pack_weights` prepacked.
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None,
+           out_features: int) -> torch.Tensor:
+    """``F.linear``, or a GEMM on a weight that :func:`pack_weights` prepacked or quantized.
 
     ``out_features`` is the weight's row count, which cadence's panel layout (a 4-D weight) pads.
     """
+    if isinstance(weight, QuantizedMatrix):
+        return quantized_linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.dim() == 4:
@@ -194,7 +240,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
 _PACKING_BATCH_HINT = 64
 
 
-def pack_weights(model: nn.Module) -> None:
+def pack_weights(model: nn.Module, int8: bool = False) -> None:
     """Prepack a loaded bf16 CPU model's GEMM weights once, for cadence's GEMM or else oneDNN's.
 
     On CPUs with AVX512-BF16 the weights go into the panel layout of ``csrc/bf16_linear.cpp``, whose
@@ -206,9 +252,19 @@ def pack_weights(model: nn.Module) -> None:
     head (``lookups=False``) is packed in place. Does nothing for other dtypes (fp32 stays on
     F.linear, bit for bit the reference path) or devices. Loading weights after packing is not
     supported.
+
+    Weights staged quantized (:class:`QuantizedCheckpointTensor`) are packed for the quantized
+    linear instead, and with ``int8`` (``--quantization int8``) so are the float weights of the
+    linear layers (not the embedding, nor the LM head), quantized per output channel.
     """
     for module in model.modules():
         if not isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+            continue
+        quantized = _quantized(module, int8)
+        if quantized is not None:
+            device = module.weight.device
+            del module.weight
+            setattr(module, "weight", replace(quantized, packed=quantized.packed.to(device)))  # noqa: B010 (no longer a Parameter: linear() reads it)
             continue
         if not _packable(module.weight):
             continue
@@ -216,6 +272,34 @@ def pack_weights(model: nn.Module) -> None:
             module.packed_lm_head = _pack(module.weight)  # the lookups need the plain table
         else:
             module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
+
+
+def _quantized(module: ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding,
+               int8: bool) -> QuantizedMatrix | None:
+    """The module's weight packed quantized: its staged blocks, or with ``int8`` its float weight
+    quantized (linear layers only); None where it stays a float weight."""
+    staged = getattr(module, "staged", {})
+    if staged and len(staged) < module.num_shards and isinstance(module, ColumnParallelLinear):
+        # A fused weight only partly quantized in the file: the quantized parts join the float ones.
+        with torch.no_grad():
+            for shard, codes in staged.items():
+                module.weight[module._offsets[shard]:module._offsets[shard + 1]] = codes.dequantize(module.weight.dtype)
+        staged.clear()
+    if staged:
+        codes = concat_rows([staged.pop(shard) for shard in range(module.num_shards)])
+        if isinstance(module, VocabParallelEmbedding) and codes.shape[0] < module.per_rank:
+            codes = _zero_rows(codes, module.per_rank)
+        return pack(codes)
+    if int8 and isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        return pack(quantize_int8(module.weight.detach()), cols=module.weight.shape[1])
+    return None
+
+
+def _zero_rows(codes: BlockCodes, rows: int) -> BlockCodes:
+    """``codes`` with zero rows appended up to ``rows`` (the last rank's vocabulary padding)."""
+    extra = rows - codes.shape[0]
+    return BlockCodes(F.pad(codes.codes, (0, 0, 0, extra)), F.pad(codes.scale, (0, 0, 0, extra)),
+                      F.pad(codes.minimum, (0, 0, 0, extra)), codes.bits, codes.block)
 
 
 def _packable(weight: torch.Tensor) -> bool:

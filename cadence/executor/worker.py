@@ -57,9 +57,12 @@ class Worker:
         backend_cls = load_backend(config.device.attention_backend, device, dtype, head_dim,
                                    config.cache.block_size)
         backend_cls.prepare(device, dtype)  # compiles kernels on a first start (announced there)
-        progress("loading weights: %s (%s, %s backend)", config.model.path, str(dtype).removeprefix("torch."),
+        quantization = config.model.quantization
+        weights = str(dtype).removeprefix("torch.") + ("" if quantization == "none" else f", {quantization} weights")
+        progress("loading weights: %s (%s, %s backend)", config.model.gguf_file or config.model.path, weights,
                  backend_cls.name)
-        model = load_model(config.model.path, hf_config, dtype, device, backend_cls, group)
+        model = load_model(config.model.path, hf_config, dtype, device, backend_cls, group, quantization,
+                           config.model.gguf_file)
         num_kv_heads = model.num_kv_heads  # this rank's
         # Every rank sizes its pool for rank 0's KV heads (no rank holds more), so all ranks agree on
         # the block count the allocator hands out.

@@ -17,12 +17,11 @@ import importlib.util
 import logging
 import os
 import shutil
-import struct
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -31,7 +30,9 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from cadence.backends.base import AttentionBackend
 from cadence.config import ConfigError, cache_dir
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
-from cadence.distributed.layers import pack_weights
+from cadence.distributed.layers import CheckpointTensor, pack_weights
+from cadence.models.gguf_file import gguf_strings
+from cadence.models.gguf_weights import with_quantized_tensors
 from cadence.models.registry import CausalLM, check_supported, model_class_for
 from cadence.startup_log import startup
 
@@ -100,9 +101,7 @@ def resolve_model(path: str | None) -> str:
         not run (checked before converting anything). A folder's architecture is checked by
         ``EngineArgs.create_config``.
     """
-    if path in MODEL_ALIASES and not Path(path).exists():
-        path = MODEL_ALIASES[path]()
-    target = Path(default_model_path() if path is None else path).expanduser()
+    target = _source(path)
     if target.is_dir():
         if not (target / "config.json").is_file():
             raise ConfigError(f"model folder {target} has no config.json; "
@@ -113,6 +112,19 @@ def resolve_model(path: str | None) -> str:
     if target.suffix.lower() != ".gguf":
         raise ConfigError(f"model path {target} is neither a folder nor a .gguf file")
     return str(_converted_folder(target))
+
+
+def _source(path: str | None) -> Path:
+    """The folder or file ``path`` names: an alias's file, the default model's for None."""
+    if path in MODEL_ALIASES and not Path(path).exists():
+        path = MODEL_ALIASES[path]()
+    return Path(default_model_path() if path is None else path).expanduser()
+
+
+def gguf_file_of(path: str | None) -> str | None:
+    """The GGUF file ``path`` names (as :func:`resolve_model` reads it), or None for a folder."""
+    target = _source(path)
+    return str(target) if target.is_file() and target.suffix.lower() == ".gguf" else None
 
 
 def _converted_folder(gguf: Path) -> Path:
@@ -181,7 +193,7 @@ def gguf_architecture(gguf: Path) -> tuple[str, str]:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    meta = _gguf_strings(gguf, {"general.architecture", "general.name"})
+    meta = gguf_strings(gguf, {"general.architecture", "general.name"})
     architecture, name = meta.get("general.architecture"), meta.get("general.name")
     if architecture is None:
         raise ConfigError(f"{gguf} has no general.architecture in its metadata")
@@ -201,94 +213,6 @@ def gguf_architecture(gguf: Path) -> tuple[str, str]:
         raise ConfigError(f"{gguf.name} is a GGUF of architecture {architecture!r}, which transformers converts "
                           f"(model_type {model_type!r}) but not to a causal language model; cadence runs those only")
     return architecture, hf_architecture
-
-
-# GGUF metadata value types (gguf.GGUFValueType): fixed sizes in bytes; 8 is a string, 9 an array.
-_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-# Arrays of arrays: real files nest one or two deep; a corrupt one could nest until Python's stack ends.
-_GGUF_MAX_NESTING = 32
-
-
-def _gguf_strings(gguf: Path, keys: set[str]) -> dict[str, str]:
-    """The string values of those ``keys`` that ``gguf``'s metadata has, reading no further than the
-    last of them (GGUF v2/v3, either byte order).
-
-    :raises ConfigError: not a GGUF file, or one that ends inside its metadata (a length or count
-        that runs past the end of the file included).
-    """
-    with gguf.open("rb") as file:
-        meta = _GGUFMetadata(file, gguf)
-        found: dict[str, str] = {}
-        for _ in range(meta.open()):
-            if len(found) == len(keys):
-                break
-            key = meta.string()
-            kind = meta.number("I")
-            if kind == _GGUF_STRING and key in keys:
-                found[key] = meta.string()
-            else:
-                meta.skip(kind)
-        return found
-
-
-class _GGUFMetadata:
-    """A cursor over a GGUF file's header and metadata. Every length is checked against what the
-    file has left before it is read or skipped: a corrupt one would otherwise allocate (or seek)
-    up to 2^64 bytes."""
-
-    def __init__(self, file: BinaryIO, path: Path) -> None:
-        self._file, self._path = file, path
-        self._size = os.fstat(file.fileno()).st_size
-        self._order = "<"
-
-    def open(self) -> int:
-        """Read the header (magic, version, tensor count, and the byte order they tell); the number of
-        metadata keys that follow."""
-        if self._file.read(4) != b"GGUF":
-            raise ConfigError(f"{self._path} is not a GGUF file")
-        version = self._take(4)
-        # Read in the wrong order, a version is a multiple of 65536 (as gguf.GGUFReader tells).
-        self._order = "<" if struct.unpack("<I", version)[0] & 0xFFFF else ">"
-        if struct.unpack(self._order + "I", version)[0] < 2:
-            raise ConfigError(f"{self._path} is GGUF version 1, which nothing reads any more")
-        self.number("Q")  # tensor count
-        return self.number("Q")
-
-    def number(self, fmt: str) -> int:
-        value: int = struct.unpack(self._order + fmt, self._take(struct.calcsize(fmt)))[0]
-        return value
-
-    def string(self) -> str:
-        return self._take(self.number("Q")).decode("utf-8", "replace")
-
-    def skip(self, kind: int, count: int = 1, depth: int = 0) -> None:
-        """Step over ``count`` values of GGUF type ``kind`` (inside ``depth`` arrays)."""
-        if depth > _GGUF_MAX_NESTING:
-            raise ConfigError(f"{self._path} nests metadata arrays over {_GGUF_MAX_NESTING} deep")
-        if kind in _GGUF_SIZES:
-            self._skip_bytes(_GGUF_SIZES[kind] * count)
-        elif kind == _GGUF_STRING:
-            for _ in range(count):  # each pass reads 8 bytes: a huge count soon hits the end
-                self._skip_bytes(self.number("Q"))
-        elif kind == _GGUF_ARRAY:
-            for _ in range(count):
-                item = self.number("I")
-                self.skip(item, self.number("Q"), depth + 1)
-        else:
-            raise ConfigError(f"{self._path} has a metadata value of unknown type {kind}")
-
-    def _check(self, n: int) -> None:
-        if n > self._size - self._file.tell():
-            raise ConfigError(f"{self._path} ends inside its GGUF metadata")
-
-    def _take(self, n: int) -> bytes:
-        self._check(n)
-        return self._file.read(n)
-
-    def _skip_bytes(self, n: int) -> None:
-        self._check(n)
-        self._file.seek(n, 1)
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
@@ -335,12 +259,16 @@ def load_model(
     device: torch.device,
     backend_cls: type[AttentionBackend],
     group: ParallelGroup = SINGLE_RANK,
+    quantization: str = "none",
+    gguf_file: str | None = None,
 ) -> CausalLM:
     """Build the model for ``hf_config`` on ``device`` and load every ``*.safetensors`` file of ``folder``.
 
     ``folder`` may also be a ``.gguf`` file (see :func:`resolve_model`). Under tensor parallelism
-    (``group``) each rank builds and reads only its shard. The model is returned in eval mode with
-    gradients off; run it under ``torch.inference_mode()``.
+    (``group``) each rank builds and reads only its shard. ``quantization`` (``ModelConfig``'s):
+    ``gguf`` keeps the quantized tensors of ``gguf_file`` as they are
+    (:mod:`cadence.models.gguf_weights`), ``int8`` quantizes the linear layers' weights. The model is
+    returned in eval mode with gradients off; run it under ``torch.inference_mode()``.
 
     :raises ConfigError: the folder has no safetensors files.
     :raises ValueError: unsupported architecture, or weights that do not fit it.
@@ -349,10 +277,15 @@ def load_model(
     if not files:
         raise ConfigError(f"no *.safetensors files in {folder}; cadence loads safetensors checkpoints only")
     model = model_class_for(hf_config)(hf_config, backend_cls, dtype, device, group)
-    model.load_weights(_read_safetensors(files))
+    weights: Iterable[tuple[str, CheckpointTensor]] = _read_safetensors(files)
+    if quantization == "gguf":
+        if gguf_file is None:
+            raise ConfigError("quantization 'gguf' needs the GGUF file the folder was converted from")
+        weights = with_quantized_tensors(weights, Path(gguf_file), hf_config)
+    model.load_weights(weights)
     model.eval()
     model.requires_grad_(False)
-    pack_weights(model)
+    pack_weights(model, int8=quantization == "int8")
     return model
 
 

@@ -1,0 +1,244 @@
+// Linear layers over quantized weights on x86 CPUs with AVX512-VNNI: y = x @ W.T (+ bias), where
+// W is in the block form of cadence/quantization/blocks.py (value = scale * code + minimum per
+// row and block of 16 or 32 input columns, unsigned 4- or 8-bit codes) packed by
+// cadence/quantization/packed.py: panels of 16 rows, and per (panel, block) the 16 rows' float16
+// scales, their 16 float16 minimums, then the codes in steps of 4 columns, 64 bytes per step,
+// bytes 4j..4j+3 row j's (4-bit codes: step s in the low nibbles, step s + block/8 in the high).
+//
+// The activations are quantized per call, per row and block of the weight, into two int8 parts:
+// x ~ s * (hi + lo / 254) with s = max|x| / 127, hi = round(x / s), lo = round((x - s * hi) * 254 / s)
+// (round half to even), so |x - xq| <= s / 508, about 2^-16 of the block's largest value: llama.cpp's
+// one int8 part (error s / 2) moves SmolLM2's logits by about 0.1 and its greedy tokens with them,
+// two do not (docs/quantization.md). Per step, two VPDPBUSDs add 4 code x part products into each
+// row's 32-bit lanes; per block y += scale * s * (isum_hi + isum_lo / 254) + minimum * x_sum, where
+// x_sum is the block's sum of xq. So y = sum_k w_k * xq_k but for float32 rounding. Threads own
+// whole panels; each weight byte is read once per call (per 256 rows of x). Built on first use by
+// cadence/backends/cpu_kernels.py.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#pragma GCC target("avx512vnni")
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kScaleBytes = 64;
+constexpr int64_t kTileRows = 4;
+constexpr int64_t kRowBlock = 256;
+
+bool quant_linear_supported() { return __builtin_cpu_supports("avx512vnni"); }
+
+// The activations quantized: per row and block, x ~ scale * (hi + lo / 254) with int8 codes hi and
+// lo (read 4 at a time as int32), and scale * (sum of hi + sum of lo / 254) for the minimums.
+struct QuantizedRows {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> scale, sum;
+};
+
+constexpr float kLoSteps = 254.0f;  // |x - scale * hi| <= scale / 2 = 127 lo steps
+
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t stride, int64_t cols, int64_t block, QuantizedRows& q) {
+  const int64_t blocks = cols / block;
+  q.hi.resize(rows * cols);
+  q.lo.resize(rows * cols);
+  q.scale.resize(rows * blocks);
+  q.sum.resize(rows * blocks);
+  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / blocks, b = i % blocks;
+      const T* src = x + r * stride + b * block;
+      __m512 v[2];
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t h = 0; h < block / 16; ++h) {
+        v[h] = cadence::load16(src + 16 * h);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[h]));
+      }
+      const float max = _mm512_reduce_max_ps(amax), d = max / 127.0f;
+      const __m512 inv = _mm512_set1_ps(d > 0 ? 127.0f / max : 0.0f);
+      const __m512 inv_lo = _mm512_set1_ps(d > 0 ? 127.0f * kLoSteps / max : 0.0f);
+      __m512i hi_total = _mm512_setzero_si512(), lo_total = _mm512_setzero_si512();
+      for (int64_t h = 0; h < block / 16; ++h) {
+        const int64_t at = r * cols + b * block + 16 * h;
+        const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], inv));  // MXCSR: round to nearest even
+        // rounded after the product, then after the difference: as torch computes it
+        const __m512 rest = _mm512_sub_ps(v[h], _mm512_mul_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(d)));
+        const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(rest, inv_lo));
+        hi_total = _mm512_add_epi32(hi_total, hi);
+        lo_total = _mm512_add_epi32(lo_total, lo);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hi.data() + at), _mm512_cvtsepi32_epi8(hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.lo.data() + at), _mm512_cvtsepi32_epi8(lo));
+      }
+      q.scale[i] = d;
+      q.sum[i] = d * (static_cast<float>(_mm512_reduce_add_epi32(hi_total)) +
+                      static_cast<float>(_mm512_reduce_add_epi32(lo_total)) / kLoSteps);
+    }
+  });
+}
+
+// Step s of one (panel, block)'s codes, unpacked to 64 bytes (4-bit codes: steps s and s + Block/8
+// share a vector).
+template <int Bits, int Block>
+inline __m512i step_codes(const uint8_t* codes, int s) {
+  if constexpr (Bits == 8) {
+    return _mm512_loadu_si512(codes + 64 * s);
+  } else {
+    constexpr int kHalf = Block / 8;
+    const __m512i both = _mm512_loadu_si512(codes + 64 * (s % kHalf));
+    return _mm512_and_si512(s < kHalf ? both : _mm512_srli_epi16(both, 4), _mm512_set1_epi8(0x0F));
+  }
+}
+
+// U blocks from block b of P adjacent panels against rows [r0, r0 + R) of the quantized activations,
+// added into acc: R x P x U independent 32-bit sums per step keep the VPDPBUSD pipes busy (one
+// sum's chain of Block/4 dependent VPDPBUSDs would leave them idle most of the time).
+template <int Bits, int Block, int R, int P, int U>
+inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel,
+                       int64_t panel_bytes, int64_t block_bytes, int64_t b) {
+  constexpr int kSteps = Block / 4;
+  const int32_t* xhi = reinterpret_cast<const int32_t*>(q.hi.data() + r0 * cols);
+  const int32_t* xlo = reinterpret_cast<const int32_t*>(q.lo.data() + r0 * cols);
+  const int64_t row_words = cols / 4, row_blocks = cols / Block;
+  __m512i hi[U][R][P], lo[U][R][P];
+  for (int u = 0; u < U; ++u) {
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) hi[u][r][p] = lo[u][r][p] = _mm512_setzero_si512();
+    }
+  }
+#pragma GCC unroll 8
+  for (int s = 0; s < kSteps; ++s) {
+    for (int u = 0; u < U; ++u) {
+      __m512i w[P];
+      for (int p = 0; p < P; ++p) {
+        w[p] = step_codes<Bits, Block>(panel + p * panel_bytes + (b + u) * block_bytes + kScaleBytes, s);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = r * row_words + (b + u) * kSteps + s;
+        const __m512i x_hi = _mm512_set1_epi32(xhi[at]), x_lo = _mm512_set1_epi32(xlo[at]);
+        for (int p = 0; p < P; ++p) {
+          hi[u][r][p] = _mm512_dpbusd_epi32(hi[u][r][p], w[p], x_hi);
+          lo[u][r][p] = _mm512_dpbusd_epi32(lo[u][r][p], w[p], x_lo);
+        }
+      }
+    }
+  }
+  const __m512 per_lo = _mm512_set1_ps(1.0f / kLoSteps);
+  for (int u = 0; u < U; ++u) {
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* scales = panel + p * panel_bytes + (b + u) * block_bytes;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+      const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * row_blocks + b + u;
+        // The sums are below 2^24 (8 steps x 4 x 255 x 127): exact as floats.
+        const __m512 codes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[u][r][p]), per_lo, _mm512_cvtepi32_ps(hi[u][r][p]));
+        const __m512 dot = _mm512_mul_ps(codes, _mm512_set1_ps(q.scale[at]));
+        acc[r][p] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(q.sum[at]), _mm512_fmadd_ps(dot, scale, acc[r][p]));
+      }
+    }
+  }
+}
+
+// Rows [r0, r0 + R) of the quantized activations against P adjacent panels (16 P output columns).
+template <int Bits, int Block, int R, int P, typename T>
+void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel, int64_t panel_bytes, int64_t blocks,
+          int64_t block_bytes, T* out, int64_t out_stride, int64_t out_cols, const T* bias) {
+  constexpr int kUnroll = R * P <= 1 ? 4 : R * P <= 2 ? 2 : 1;
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  }
+  int64_t b = 0;
+  for (; b + kUnroll <= blocks; b += kUnroll) {
+    add_blocks<Bits, Block, R, P, kUnroll>(acc, q, r0, cols, panel, panel_bytes, block_bytes, b);
+  }
+  for (; b < blocks; ++b) add_blocks<Bits, Block, R, P, 1>(acc, q, r0, cols, panel, panel_bytes, block_bytes, b);
+  for (int p = 0; p < P && 16 * p < out_cols; ++p) {
+    const __mmask16 m = cadence::tail_mask(out_cols - 16 * p);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = bias ? _mm512_add_ps(acc[r][p], cadence::load16(bias + 16 * p, m)) : acc[r][p];
+      cadence::store16(out + r * out_stride + 16 * p, sum, m);
+    }
+  }
+}
+
+template <int Bits, int Block, typename T>
+void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, int64_t panels, int64_t blocks,
+         int64_t block_bytes, T* out, int64_t out_features, const T* bias) {
+  using Tile = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, T*, int64_t,
+                        int64_t, const T*);
+  constexpr Tile kPairs[kTileRows + 1] = {nullptr, tile<Bits, Block, 1, 2, T>, tile<Bits, Block, 2, 2, T>,
+                                          tile<Bits, Block, 3, 2, T>, tile<Bits, Block, 4, 2, T>};
+  constexpr Tile kSingles[kTileRows + 1] = {nullptr, tile<Bits, Block, 1, 1, T>, tile<Bits, Block, 2, 1, T>,
+                                            tile<Bits, Block, 3, 1, T>, tile<Bits, Block, 4, 1, T>};
+  const int64_t panel_bytes = blocks * block_bytes;
+  // A few rows are bound by the weights' memory traffic: one panel at a time reads each thread's
+  // panels as one sequential stream. More rows are bound by the arithmetic: two panels at a time
+  // give twice the independent sums per step.
+  const int64_t width = rows >= kTileRows ? 2 : 1;
+  const int64_t groups = (panels + width - 1) / width;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    // Rows go in blocks whose activations stay in L2 while the thread's panels pass over them.
+    for (int64_t first = 0; first < rows; first += kRowBlock) {
+      const int64_t last = std::min(rows, first + kRowBlock);
+      for (int64_t j = width * begin; j < std::min(panels, width * end); j += width) {
+        const Tile* tiles = width == 2 && j + 1 < panels ? kPairs : kSingles;
+        const int64_t out_cols = std::min(width * kLanes, out_features - j * kLanes);
+        for (int64_t r = first; r < last; r += kTileRows) {
+          tiles[std::min(kTileRows, last - r)](q, r, cols, w + j * panel_bytes, panel_bytes, blocks, block_bytes,
+                                               out + r * out_features + j * kLanes, out_features, out_cols,
+                                               bias ? bias + j * kLanes : nullptr);
+        }
+      }
+    }
+  });
+}
+
+// x [M, K] float32 or bfloat16, packed uint8 [ceil(N/16), K/block, 64 + 16 * block * bits / 8], bias [N]
+// of x's dtype or None -> [M, N] of x's dtype.
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                        int64_t out_features, int64_t bits, int64_t block) {
+  TORCH_CHECK((bits == 4 || bits == 8) && (block == 16 || block == 32), "quant_linear: no kernel for ", bits,
+              "-bit codes in blocks of ", block);
+  const int64_t block_bytes = kScaleBytes + kLanes * block * bits / 8;
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == block_bytes && packed.size(0) == (out_features + kLanes - 1) / kLanes,
+              "quant_linear: the weight must be packed by cadence.quantization.packed.pack (", out_features, " rows)");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == packed.size(1) * block &&
+                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "quant_linear: x must be [M, ", packed.size(1) * block, "] float32 or bfloat16");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == x_in.scalar_type()),
+              "quant_linear: bias must be dense [", out_features, "] of x's dtype");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1), panels = packed.size(0), blocks = packed.size(1);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  QuantizedRows q;
+  CADENCE_DISPATCH_FLOAT(x.scalar_type(), "quant_linear", [&] {
+    quantize_rows(x.data_ptr<scalar_t>(), rows, x.stride(0), cols, block, q);
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* b = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    if (bits == 4 && block == 32) run<4, 32>(q, rows, cols, w, panels, blocks, block_bytes, o, out_features, b);
+    if (bits == 8 && block == 32) run<8, 32>(q, rows, cols, w, panels, blocks, block_bytes, o, out_features, b);
+    if (bits == 4 && block == 16) run<4, 16>(q, rows, cols, w, panels, blocks, block_bytes, o, out_features, b);
+    if (bits == 8 && block == 16) run<8, 16>(q, rows, cols, w, panels, blocks, block_bytes, o, out_features, b);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
+  m.def("quant_linear_supported() -> bool", quant_linear_supported);  // no tensors: callable on any dispatch key
+  m.def("quant_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int bits, int block) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) { m.impl("quant_linear", quant_linear); }

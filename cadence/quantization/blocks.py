@@ -1,0 +1,85 @@
+"""The one block form every quantized weight is decoded into, whatever its file format.
+
+A ``[rows, cols]`` weight is cut along its input columns into blocks of ``block`` (16 or 32) values;
+each value is ``scale * code + minimum`` with an unsigned integer code of ``bits`` (4 or 8) bits and
+a float16 ``scale`` and ``minimum`` per (row, block). llama.cpp's symmetric formats fit it with
+``minimum = -offset * scale`` (Q8_0: code = q + 128; Q4_0: the stored nibble, offset 8), its K-quants
+with their sub-block scales multiplied out (rounded to float16 once, at load), 5- and 6-bit codes as
+8-bit ones. One form means one kernel: ``x @ W.T`` becomes integer dot products of the codes with the
+activations quantized to int8, then one multiply-add per block for the scale and one for the minimum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCKS = (16, 32)
+CODE_BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """``codes`` uint8 ``[rows, cols]``; ``scale`` and ``minimum`` float16 ``[rows, cols // block]``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    bits: int
+    block: int
+
+    def __post_init__(self) -> None:
+        rows, cols = self.codes.shape
+        if self.block not in BLOCKS or self.bits not in CODE_BITS or cols % self.block:
+            raise ValueError(f"no block form for {self.bits}-bit codes in blocks of {self.block} over {cols} columns")
+        if self.scale.shape != (rows, cols // self.block) or self.minimum.shape != self.scale.shape:
+            raise ValueError(f"scales {tuple(self.scale.shape)} do not fit codes {tuple(self.codes.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as ``dtype`` (computed in float32, where every value is exact)."""
+        rows, cols = self.shape
+        values = self.codes.view(rows, -1, self.block).float() * self.scale.float().unsqueeze(-1)
+        return (values + self.minimum.float().unsqueeze(-1)).view(rows, cols).to(dtype)
+
+    def take(self, rows: slice | torch.Tensor, cols: slice) -> BlockCodes:
+        """Those rows and that column range (whole blocks only: a tensor-parallel shard)."""
+        start, stop, step = cols.indices(self.shape[1])
+        if step != 1 or start % self.block or (stop - start) % self.block:
+            raise ValueError(f"columns {start}:{stop} do not fall on the format's blocks of {self.block}")
+        blocks = slice(start // self.block, stop // self.block)
+        return BlockCodes(self.codes[rows][:, start:stop], self.scale[rows][:, blocks], self.minimum[rows][:, blocks],
+                          self.bits, self.block)
+
+    def widened(self, bits: int, block: int) -> BlockCodes:
+        """The same values with codes of ``bits`` and blocks of ``block``: no wider, no longer than asked."""
+        if bits < self.bits or block > self.block:
+            raise ValueError(f"cannot narrow {self.bits}-bit codes in blocks of {self.block} to {bits} in {block}")
+        repeat = self.block // block
+        return BlockCodes(self.codes, self.scale.repeat_interleave(repeat, 1),
+                          self.minimum.repeat_interleave(repeat, 1), bits, block)
+
+
+def concat_rows(parts: list[BlockCodes]) -> BlockCodes:
+    """Row blocks stacked (a fused q/k/v or gate/up weight), in the widest codes and shortest blocks."""
+    bits, block = max(p.bits for p in parts), min(p.block for p in parts)
+    same = [p.widened(bits, block) for p in parts]
+    return BlockCodes(torch.cat([p.codes for p in same]), torch.cat([p.scale for p in same]),
+                      torch.cat([p.minimum for p in same]), bits, block)
+
+
+def quantize_int8(weight: torch.Tensor, block: int = 32) -> BlockCodes:
+    """Per output channel (row), symmetric int8: ``scale = max|w| / 127`` (float16), codes
+    ``round(w / scale) + 128``; columns are padded with zeros to a whole block."""
+    rows, cols = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, -cols % block))
+    scale = (padded.abs().amax(dim=1) / 127).to(torch.float16)
+    safe = torch.where(scale > 0, scale.float(), 1.0)
+    codes = (torch.round(padded / safe.unsqueeze(1)).clamp(-127, 127) + 128).to(torch.uint8)
+    blocks = padded.shape[1] // block
+    scale = scale.unsqueeze(1).expand(rows, blocks).contiguous()
+    return BlockCodes(codes, scale, (-128 * scale.float()).to(torch.float16), 8, block)

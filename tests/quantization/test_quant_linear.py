@@ -1,0 +1,134 @@
+"""The quantized linear (cadence/quantization/packed.py over csrc/quant_linear.cpp) for every GGML
+type and int8: against the arithmetic it documents (activations rounded to int8 per block), and
+against the reference of the ``gguf`` package's dequantizer and an fp32 matmul within the bound
+that rounding allows; over odd shapes, partial panels, tails and strided rows. Also the torch path
+that dequantizes per call, where the kernel cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from support.ggml_blocks import QUANTIZED, Q, random_blocks
+
+from cadence.quantization import packed
+from cadence.quantization.blocks import BlockCodes, quantize_int8
+from cadence.quantization.ggml import decode
+from cadence.quantization.packed import QuantizedMatrix, dequantize, pack, quantized_linear, unpack_rows
+
+needs_kernel = pytest.mark.skipif(not packed.kernel_runs(torch.zeros(1)), reason="the kernel needs AVX512-VNNI")
+
+
+def _weight(kind: GGMLQuantizationType, rows: int, blocks: int) -> tuple[QuantizedMatrix, torch.Tensor]:
+    """A random ``kind`` weight packed, and the gguf package's dequantization of the same bytes."""
+    cols = blocks * GGML_QUANT_SIZES[kind][0]
+    raw = random_blocks(kind, rows, cols, seed=rows + blocks)
+    return pack(decode(torch.from_numpy(raw), kind, cols)), torch.from_numpy(quants.dequantize(raw, kind))
+
+
+def _activations_as_quantized(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` as the kernel reads it: per row and block, s * (hi + lo / 254) with s = max|x| / 127 and
+    int8 parts hi, lo (half to even), as csrc/quant_linear.cpp documents."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
+    peak = blocks.abs().amax(-1, keepdim=True)
+    step = peak / 127
+    hi = torch.round(blocks * torch.where(peak > 0, 127 / peak, 0.0))
+    lo = torch.round((blocks - hi * step) * torch.where(peak > 0, 127 * 254 / peak, 0.0))
+    return (step * (hi + lo / 254)).reshape(x.shape)
+
+
+def _bound(x: torch.Tensor, weight: torch.Tensor, block: int) -> torch.Tensor:
+    """How far the kernel may be from ``x @ weight.T``: half a low part's step times each |w|."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
+    half_step = (blocks.abs().amax(-1, keepdim=True) / (127 * 254 * 2)).expand_as(blocks).reshape(x.shape)
+    return half_step @ weight.abs().T
+
+
+def _x(rows: int, cols: int, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """Activations whose rows are dense, padded apart, every other row, or column-strided."""
+    if layout == "dense":
+        return torch.randn(rows, cols).to(dtype)
+    if layout == "padded":
+        return torch.randn(rows, cols + 40).to(dtype)[:, 3:cols + 3]
+    if layout == "every-other":
+        return torch.randn(2 * rows, cols).to(dtype)[::2]
+    return torch.randn(cols, rows).to(dtype).t()  # column-strided
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.name)
+@pytest.mark.parametrize(("rows", "batch"), [(1, 1), (17, 3), (40, 9), (33, 300)])
+def test_kernel_against_the_gguf_reference(kind: GGMLQuantizationType, rows: int, batch: int) -> None:
+    torch.manual_seed(rows * batch)
+    matrix, reference = _weight(kind, rows, blocks=2 if GGML_QUANT_SIZES[kind][0] == 256 else 5)
+    x = torch.randn(batch, matrix.cols)
+    bias = torch.randn(rows)
+    out = quantized_linear(x, matrix, bias)
+    # Exactly the documented arithmetic, but for float32 rounding ...
+    ours = dequantize(matrix)
+    documented = _activations_as_quantized(x, matrix.block) @ ours.T + bias
+    scale = x.abs() @ ours.abs().T + bias.abs()
+    assert ((out - documented).abs() <= 1e-5 * scale + 1e-6).all()
+    # ... and so within half an activation step (plus the format's own float16 rounding) of the reference.
+    exact = x @ reference.T + bias
+    allowed = _bound(x, reference, matrix.block) + x.abs() @ (ours - reference).abs().T + 1e-5 * scale
+    assert ((out - exact).abs() <= allowed).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", ["dense", "padded", "every-other", "column-strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_strided_rows_and_bf16(layout: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    matrix, _ = _weight(Q.Q4_1, rows=50, blocks=3)
+    x = _x(7, matrix.cols, layout, dtype)
+    bias = torch.randn(50).to(dtype)
+    out = quantized_linear(x, matrix, bias)
+    assert out.dtype == dtype and out.shape == (7, 50)
+    ours = dequantize(matrix)
+    documented = _activations_as_quantized(x, matrix.block) @ ours.T + bias.float()
+    # bf16 output rounds each value once (to 2^-8 relative)
+    tolerance = (x.float().abs() @ ours.abs().T + bias.float().abs()) * (1e-5 if dtype == torch.float32 else 2 ** -8)
+    assert ((out.float() - documented).abs() <= tolerance + 1e-6).all()
+
+
+@needs_kernel
+def test_int8_weights_with_a_width_off_the_blocks() -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(21, 50)
+    matrix = pack(quantize_int8(weight), cols=50)
+    x = torch.randn(4, 3, 50)  # any leading dimensions
+    out = quantized_linear(x, matrix, None)
+    assert out.shape == (4, 3, 21)
+    ours = dequantize(matrix)
+    assert ours.shape == (21, 50) and ((ours - weight).abs() <= weight.abs().amax(1, keepdim=True) / 254 + 1e-6).all()
+    padded = F.pad(x.reshape(12, 50), (0, 14))
+    documented = _activations_as_quantized(padded, 32)[:, :50] @ ours.T
+    assert torch.allclose(out.reshape(12, 21), documented, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_path_dequantizes_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed, "_kernel", lambda: None)
+    torch.manual_seed(3)
+    for kind in QUANTIZED:
+        matrix, reference = _weight(kind, rows=19, blocks=1 if GGML_QUANT_SIZES[kind][0] == 256 else 3)
+        x = torch.randn(5, matrix.cols)
+        out = quantized_linear(x, matrix, None)
+        ours = dequantize(matrix)
+        assert torch.allclose(out, x @ ours.T, rtol=1e-6, atol=1e-6), kind.name
+        # the K-quants' scales rounded to float16 are the one difference from the reference
+        allowed = x.abs() @ (ours - reference).abs().T + 1e-5 * (x.abs() @ ours.abs().T)
+        assert ((out - x @ reference.T).abs() <= allowed).all(), kind.name
+
+
+def test_pack_keeps_every_value_and_rows_unpack_alone() -> None:
+    torch.manual_seed(4)
+    for bits, block in [(4, 32), (8, 32), (4, 16), (8, 16)]:
+        codes = BlockCodes(torch.randint(0, 2 ** bits, (37, 96), dtype=torch.uint8),
+                           torch.rand(37, 96 // block).half(), torch.randn(37, 96 // block).half(), bits, block)
+        matrix = pack(codes)
+        assert matrix.packed.shape == (3, 96 // block, 64 + 16 * block * bits // 8)
+        assert torch.equal(dequantize(matrix), codes.dequantize())
+        rows = torch.tensor([36, 0, 17, 17])
+        assert torch.equal(unpack_rows(matrix, rows, torch.bfloat16), codes.dequantize()[rows].bfloat16())
