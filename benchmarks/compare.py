@@ -1,8 +1,9 @@
 """The fixed comparison workload, side by side in one run: cadence against transformers offline, and
 ``cadence serve`` against any peer OpenAI-compatible server (vLLM, llama.cpp's server, SGLang ...).
 
-Offline: 64 random prompts of 128 tokens, 128 greedy output tokens each with EOS ignored, bf16,
-SmolLM2-135M-Instruct, through ``LLM.generate`` and through transformers' batched ``generate``.
+Offline: 64 random prompts of 128 tokens, 128 greedy output tokens each with EOS ignored, bf16
+(``--quantization none``: the weights its peers run), SmolLM2-135M-Instruct, through
+``LLM.generate`` and through transformers' batched ``generate``.
 Serving: the same prompts as 64 streaming ``/v1/completions`` requests from 32 concurrent clients,
 measured by ``cadence bench serve`` (vLLM's metric definitions) against a ``cadence serve`` this
 script starts and then against each ``--peer NAME=BASE_URL`` (started by you, serving the same
@@ -37,7 +38,7 @@ _SERVING_FIGURES = (
 def offline(workload: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     throughput.add_arguments(parser)
-    ns = parser.parse_args(["--dtype", "bfloat16", "--disable-tqdm", *workload])
+    ns = parser.parse_args(["--dtype", "bfloat16", "--quantization", "none", "--disable-tqdm", *workload])
     requests = throughput.load_requests(ns)
     ours = throughput.run_cadence(ns, requests)
     print(ours.summary())
@@ -96,7 +97,7 @@ def main() -> None:
 
         log = Path(tempfile.mkdtemp()) / "server.log"
         serving_results = {}
-        with ServerProcess(["--dtype", "bfloat16", *ns.server_arg], log_path=log) as server:
+        with ServerProcess(["--dtype", "bfloat16", "--quantization", "none", *ns.server_arg], log_path=log) as server:
             serving_results["cadence"] = serving(server.url, ns.workload_arg)
         for name, url in peers.items():
             serving_results[name] = serving(url, ns.workload_arg)

@@ -19,7 +19,7 @@ FLOORS = {
     "cadence.config": 0, "cadence.startup_log": 0, "cadence.plugins": 0,
     "cadence.runtime": 1,
     "cadence.policies": 2, "cadence.backends": 2, "cadence.distributed": 2, "cadence.models": 2,
-    "cadence.executor": 2, "cadence.engine_args": 2,
+    "cadence.executor": 2, "cadence.engine_args": 2, "cadence.quantization": 2,
     "cadence.core": 3,
     "cadence.engine": 4,
     "cadence": 5, "cadence.api": 5, "cadence.sim": 5, "cadence.bench": 5,

@@ -128,8 +128,8 @@ def test_a_kernel_build_draws_a_bar_on_a_terminal(compiler: list[str], monkeypat
     assert cpu_kernels._terminal() is None  # pytest captures stderr: no bar
     monkeypatch.setattr(cpu_kernels, "_terminal", lambda: terminal)
     cpu_kernels.cpu_ops.__wrapped__()
-    # four object files and the library, counted once the build is done
-    assert re.search(r"compiling CPU kernels \|.*\| 5/5 files \[00:\d\d of about \d\d:\d\d\]", terminal.getvalue())
+    # five object files and the library, counted once the build is done
+    assert re.search(r"compiling CPU kernels \|.*\| 6/6 files \[00:\d\d of about \d\d:\d\d\]", terminal.getvalue())
 
 
 def test_build_estimate_shrinks_with_cores_down_to_the_slowest_file(monkeypatch: pytest.MonkeyPatch) -> None:

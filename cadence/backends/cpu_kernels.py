@@ -5,7 +5,7 @@ fuses a decoder layer's per-token ops (RMSNorm with its residual add, RoPE, SiLU
 ``bf16_linear.cpp`` is the bf16 GEMM of the linear layers on CPUs with AVX512-BF16,
 ``quant_linear.cpp`` the GEMM over quantized weights on CPUs with AVX512-VNNI; ``greedy.cpp``
 is the sampler's argmax.
-The build runs once per set of sources: about 85 CPU-seconds here (48 s on 2 cores), so it says so
+The build runs once per set of sources: about 80 CPU-seconds here (41-48 s on 2 cores), so it says so
 on the ``cadence.startup`` logger before and after, with a progress bar of the files compiled on a
 terminal. It goes into a folder of cadence's cache, ``<cache>/kernels/<key>/`` (:func:`cadence.config.cache_dir`:
 ``$CADENCE_CACHE_DIR`` or ``~/.cache/cadence``; ``$TORCH_EXTENSIONS_DIR`` plays no part), where
@@ -66,9 +66,10 @@ _LAYOUT = 1
 _LOCK_TIMEOUT_ENV = "CADENCE_KERNEL_LOCK_TIMEOUT_S"
 _LOCK_TIMEOUT_S = 300.0
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
-# The build's cost, measured on a 2-core AVX-512 machine: about 85 CPU-seconds in all, the three large
-# sources about 25 s each (mostly torch's headers and -O3), greedy.cpp 10 s; ninja compiles them in
-# parallel, so the wall time is about the larger of the slowest file and the total over the cores.
+# The build's cost, measured on a 2-core AVX-512 machine: 74-85 CPU-seconds in all (41 s of wall time
+# with quant_linear.cpp's templates among them), the large sources about 15-25 s each (mostly torch's
+# headers and -O3), greedy.cpp 10 s; ninja compiles them in parallel, so the wall time is about the
+# larger of the slowest file and the total over the cores.
 _BUILD_CPU_S = 90.0
 _SLOWEST_SOURCE_S = 25.0
 # A build not foreseen (flags or torch changed, another process building) is announced once it has

@@ -262,9 +262,10 @@ def pack_weights(model: nn.Module, int8: bool = False) -> None:
             continue
         quantized = _quantized(module, int8)
         if quantized is not None:
+            # No longer a Parameter: linear() and the embedding's lookup read the packed blocks.
             device = module.weight.device
             del module.weight
-            setattr(module, "weight", replace(quantized, packed=quantized.packed.to(device)))  # noqa: B010 (no longer a Parameter: linear() reads it)
+            setattr(module, "weight", replace(quantized, packed=quantized.packed.to(device)))  # noqa: B010
             continue
         if not _packable(module.weight):
             continue

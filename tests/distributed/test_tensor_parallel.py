@@ -16,7 +16,7 @@ import anyio
 import pytest
 import torch
 import torch.multiprocessing
-from tp_layer_check import check_layers
+from tp_layer_check import Blocks, check_layers, check_quantized_layers
 from transformers import LlamaConfig
 
 from cadence import LLM, SamplingParams
@@ -26,6 +26,7 @@ from cadence.distributed.group import ParallelGroup
 from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from cadence.errors import EngineDeadError
 from cadence.executor.multiproc import MultiprocExecutor
+from cadence.quantization.blocks import quantize_int8
 
 # A hang guard only: generation here takes a few seconds.
 HANG_GUARD_S = 300
@@ -130,6 +131,17 @@ def test_each_layer_reads_only_its_shard_of_a_checkpoint_tensor() -> None:
 
 def test_parallel_layers_match_unsharded_ones_over_two_gloo_ranks(tmp_path: Path) -> None:
     torch.multiprocessing.spawn(check_layers, args=(2, f"file://{tmp_path / 'rendezvous'}"), nprocs=2)
+
+
+def test_quantized_parallel_layers_match_unsharded_ones_over_two_gloo_ranks(tmp_path: Path) -> None:
+    torch.multiprocessing.spawn(check_quantized_layers, args=(2, f"file://{tmp_path / 'rendezvous'}"), nprocs=2)
+
+
+def test_a_row_split_off_the_blocks_of_a_quantized_weight_is_refused() -> None:
+    weight = Blocks(quantize_int8(torch.randn(8, 96), block=16))
+    layer = RowParallelLinear(even_split(96, 0, 5), 8, False, ParallelGroup(rank=0, world_size=5), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="columns 0:20 do not fall on the format's blocks of 16"):
+        layer.load("weight", weight, 0)
 
 
 # ---- whole engines ----------------------------------------------------------------------------

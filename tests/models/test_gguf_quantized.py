@@ -88,6 +88,16 @@ def test_a_tiny_gguf_of_each_type_generates_its_dequantized_twins_tokens(
     assert kept == len(linears) if Q.F32 not in kinds else 0 < kept < len(linears)
 
 
+def test_tensor_parallel_shards_the_quantized_blocks(tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", [*QUANTIZED, Q.F32])
+    tp1 = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64)
+    tp2 = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        assert _greedy(tp2, TINY_PROMPTS, 16) == _greedy(tp1, TINY_PROMPTS, 16)
+    finally:
+        tp2.shutdown()
+
+
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea.",
              "Explain photosynthesis in one sentence.", "What is 12 times 7?", "Who wrote Hamlet?",
              "Give me a tip for learning Python.", "What is the boiling point of water?",
