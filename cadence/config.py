@@ -214,11 +214,13 @@ def parse_memory(text: str | int) -> int:
 QUANTIZATIONS = ("none", "gguf", "int8")
 
 
-def resolve_quantization(quantization: str, gguf_file: str | None) -> str:
-    """``auto`` keeps a GGUF file's quantized types (``gguf``) and runs any other model unquantized."""
+def resolve_quantization(quantization: str, gguf_file: str | None, device: str = "cpu") -> str:
+    """``auto`` keeps a GGUF file's quantized types (``gguf``) on the CPU, whose kernel runs them,
+    and runs any other model, or any model on another device (where the weights would be
+    dequantized on every call), unquantized."""
     if quantization != "auto":
         return quantization
-    return "gguf" if gguf_file is not None else "none"
+    return "gguf" if gguf_file is not None and torch.device(device).type == "cpu" else "none"
 
 
 def resolve_dtype(dtype: str) -> str:

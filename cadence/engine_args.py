@@ -53,8 +53,8 @@ class EngineArgs:
         "weights and activations; auto is bf16 where the CPU supports it",
         choices=["auto", "bfloat16", "float32", "float16"]))
     quantization: str = field(default="auto", metadata=_flag(
-        "how weights are kept: auto keeps a .gguf file's quantized types (gguf) and runs other models in "
-        "--dtype (none); int8 quantizes the linear layers per output channel (docs/quantization.md)",
+        "how weights are kept: auto keeps a .gguf file's quantized types on the CPU (gguf) and runs other "
+        "models in --dtype (none); int8 quantizes the linear layers per output channel (docs/quantization.md)",
         choices=["auto", "gguf", "int8", "none"], aliases=["-q"]))
     max_model_len: int | None = field(default=None, metadata=_flag("context length (default: the model's)"))
     seed: int = field(default=0, metadata=_flag("global random seed"))
@@ -90,6 +90,7 @@ class EngineArgs:
         (``docs/models.md``), then build and validate the config tree."""
         path = resolve_model(self.model)  # a GGUF's architecture is checked before it is converted
         gguf_file = gguf_file_of(self.model)
+        quantization = resolve_quantization(self.quantization, gguf_file, self.device)
         hf_config = load_hf_config(path)
         # Here, not in the worker: that would first start the engine core, its workers and kernels.
         check_supported(architectures_of(hf_config), f"model {path}")
@@ -103,7 +104,7 @@ class EngineArgs:
             batched = budget if self.enable_chunked_prefill else max(budget, max_model_len)
         return EngineConfig(
             model=ModelConfig(path=path, dtype=resolve_dtype(self.dtype), max_model_len=max_model_len,
-                              seed=self.seed, quantization=resolve_quantization(self.quantization, gguf_file),
+                              seed=self.seed, quantization=quantization,
                               gguf_file=gguf_file),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -16,6 +16,7 @@ from cadence.config import (
     ModelConfig,
     SchedulerConfig,
     parse_memory,
+    resolve_quantization,
 )
 from cadence.engine_args import EngineArgs
 
@@ -72,10 +73,26 @@ def test_the_token_budget_defaults_by_usage_and_yields_to_the_user(make_tiny_mod
                           scheduler=SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=512)),
      "without chunked prefill, max_num_batched_tokens"),
     (lambda: parse_memory("lots"), "cannot read memory size"),
+    (lambda: ModelConfig(path="m", dtype="float32", max_model_len=10, quantization="fp8"),
+     "quantization must be one of"),
+    (lambda: ModelConfig(path="m", dtype="float32", max_model_len=10, quantization="gguf"),
+     r"give a \.gguf model file"),
 ])
 def test_bad_config_values_raise_config_errors(build: Callable[[], object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build()
+
+
+def test_auto_quantization_keeps_a_gguf_files_types_on_the_cpu_only(make_tiny_model: Callable[..., Path]) -> None:
+    assert resolve_quantization("auto", "m.gguf") == "gguf"
+    assert resolve_quantization("auto", "m.gguf", "cuda:0") == "none"  # no kernel there
+    assert resolve_quantization("auto", None) == "none"
+    assert resolve_quantization("int8", None, "cuda") == "int8"
+    folder = str(make_tiny_model("llama"))
+    assert EngineArgs(model=folder).create_config().model.quantization == "none"
+    assert EngineArgs(model=folder, quantization="int8").create_config().model.quantization == "int8"
+    with pytest.raises(ConfigError, match=r"give a \.gguf model file"):
+        EngineArgs(model=folder, quantization="gguf").create_config()
 
 
 def test_memory_sizes() -> None:
