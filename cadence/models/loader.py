@@ -2,7 +2,9 @@
 
 cadence runs Hugging Face folders (``config.json`` + ``*.safetensors`` + tokenizer files). A GGUF
 file is converted once, through transformers, into such a folder under the cache directory
-(``$CADENCE_CACHE_DIR``, default ``~/.cache/cadence``); later starts reuse it.
+(``$CADENCE_CACHE_DIR``, default ``~/.cache/cadence``); later starts reuse it. With
+``--quantization gguf`` (the default for a GGUF file on the CPU) the file's quantized tensors are
+then read from the file itself instead of the folder (:mod:`cadence.models.gguf_weights`).
 
 A first start converts the GGUF (about 20 s here, transformers drawing its own bars for the
 tensors) and says so on the ``cadence.startup`` logger (:mod:`cadence.startup_log`). Before that,

@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from cadence.distributed.layers import CheckpointTensor
+from cadence.distributed.layers import CheckpointTensor, QuantizedCheckpointTensor
 from cadence.models.layers import head_dim_of
 from cadence.models.llama import LlamaForCausalLM
+from cadence.quantization.blocks import BlockCodes
 
 
 class RowRange:
@@ -55,6 +56,16 @@ class RowRange:
         return self.tensor[(shifted, *rest)] if rest else self.tensor[shifted]
 
 
+class QuantizedRowRange(RowRange):
+    """A row range of a quantized checkpoint tensor (a GGUF file's ``attn_qkv``): its blocks too."""
+
+    tensor: QuantizedCheckpointTensor
+
+    def block_codes(self, rows: slice, cols: slice) -> BlockCodes:
+        start, stop, _ = rows.indices(self.size)
+        return self.tensor.block_codes(slice(self.start + start, self.start + stop), cols)
+
+
 def fused_parts(config: PretrainedConfig) -> dict[str, list[tuple[str, int]]]:
     """Each fused checkpoint projection's parts, in order, with their row counts (whole model)."""
     head_dim = head_dim_of(config)
@@ -69,7 +80,8 @@ def fused_parts(config: PretrainedConfig) -> dict[str, list[tuple[str, int]]]:
 def split_fused(weights: Iterable[tuple[str, CheckpointTensor]],
                 parts: dict[str, list[tuple[str, int]]]) -> Iterator[tuple[str, CheckpointTensor]]:
     """The checkpoint with each fused projection (``...qkv_proj.weight``) replaced by its parts
-    (``...q_proj.weight`` ...), each a :class:`RowRange` view; every other tensor as it is.
+    (``...q_proj.weight`` ...), each a :class:`RowRange` view (that of a quantized tensor keeping its
+    blocks); every other tensor as it is.
 
     :raises ValueError: a fused tensor whose rows are not the sum of its parts'.
     """
@@ -85,8 +97,9 @@ def split_fused(weights: Iterable[tuple[str, CheckpointTensor]],
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} has {tensor.shape[0]} rows, but "
                              f"{' + '.join(f'{part} {rows}' for part, rows in split)} = {total}")
         start = 0
+        view = QuantizedRowRange if isinstance(tensor, QuantizedCheckpointTensor) else RowRange
         for part, rows in split:
-            yield f"{prefix}.{part}.{param}", RowRange(tensor, start, rows)
+            yield f"{prefix}.{part}.{param}", view(tensor, start, rows)
             start += rows
 
 

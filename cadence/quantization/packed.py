@@ -5,7 +5,7 @@ Rows go in panels of 16 (one 32-bit lane per row). Per panel and block of input 
 bytes holds the 16 rows' float16 scales, their 16 minimums, then the codes: in steps of 4 columns,
 64 bytes per step, bytes ``4j .. 4j+3`` the codes of row ``j`` (the operand layout of one VPDPBUSD).
 4-bit codes pair step ``s`` (low nibble) with step ``s + block/8`` (high nibble). A thread streams
-whole panels, each block's bytes exactly once per call.
+whole panels, each block's bytes once per call (per 256 rows of activations).
 """
 
 from __future__ import annotations

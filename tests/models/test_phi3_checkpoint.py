@@ -9,7 +9,9 @@ import pytest
 import torch
 from support.tiny_models import tiny_config
 
+from cadence.distributed.layers import QuantizedCheckpointTensor
 from cadence.models.phi3 import RowRange, fused_parts, split_fused
+from cadence.quantization.blocks import BlockCodes, quantize_int8
 
 
 class RecordingTensor:
@@ -57,3 +59,26 @@ def test_a_row_range_is_read_by_contiguous_row_slices_only() -> None:
         rows[1]
     with pytest.raises(TypeError):
         rows[::2]
+
+
+class QuantizedRecording(RecordingTensor):
+    """A quantized checkpoint tensor (a GGUF file's ``attn_qkv``): its blocks by rows and columns."""
+
+    def __init__(self, codes: BlockCodes) -> None:
+        super().__init__(codes.dequantize())
+        self.codes = codes
+
+    def block_codes(self, rows: slice, cols: slice) -> BlockCodes:
+        return self.codes.take(rows, cols)
+
+
+def test_a_quantized_fused_projection_splits_into_parts_that_keep_their_blocks() -> None:
+    config = tiny_config("phi3")
+    codes = quantize_int8(torch.randn(128, 64))
+    parts = dict(split_fused([("model.layers.0.self_attn.qkv_proj.weight", QuantizedRecording(codes))],
+                             fused_parts(config)))
+    v = parts["model.layers.0.self_attn.v_proj.weight"]
+    assert isinstance(v, QuantizedCheckpointTensor) and v.shape == (32, 64)
+    assert torch.equal(v.block_codes(slice(16, 32), slice(32, 64)).dequantize(), codes.dequantize()[112:128, 32:64])
+    plain = dict(split_fused([("model.layers.0.mlp.gate_up_proj.weight", torch.zeros(256, 64))], fused_parts(config)))
+    assert not isinstance(plain["model.layers.0.mlp.up_proj.weight"], QuantizedCheckpointTensor)

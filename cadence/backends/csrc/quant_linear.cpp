@@ -22,7 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #pragma GCC target("avx512vnni")
 
@@ -37,9 +37,12 @@ bool quant_linear_supported() { return __builtin_cpu_supports("avx512vnni"); }
 
 // The activations quantized: per row and block, x ~ scale * (hi + lo / 254) with int8 codes hi and
 // lo (read 4 at a time as int32), and scale * (sum of hi + sum of lo / 254) for the minimums.
+// Left uninitialised: quantize_rows writes every element.
 struct QuantizedRows {
-  std::vector<int8_t> hi, lo;
-  std::vector<float> scale, sum;
+  QuantizedRows(int64_t values, int64_t blocks)
+      : hi(new int8_t[values]), lo(new int8_t[values]), scale(new float[blocks]), sum(new float[blocks]) {}
+  std::unique_ptr<int8_t[]> hi, lo;
+  std::unique_ptr<float[]> scale, sum;
 };
 
 constexpr float kLoSteps = 254.0f;  // |x - scale * hi| <= scale / 2 = 127 lo steps
@@ -47,10 +50,6 @@ constexpr float kLoSteps = 254.0f;  // |x - scale * hi| <= scale / 2 = 127 lo st
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t stride, int64_t cols, int64_t block, QuantizedRows& q) {
   const int64_t blocks = cols / block;
-  q.hi.resize(rows * cols);
-  q.lo.resize(rows * cols);
-  q.scale.resize(rows * blocks);
-  q.sum.resize(rows * blocks);
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / blocks, b = i % blocks;
@@ -73,8 +72,8 @@ void quantize_rows(const T* x, int64_t rows, int64_t stride, int64_t cols, int64
         const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(rest, inv_lo));
         hi_total = _mm512_add_epi32(hi_total, hi);
         lo_total = _mm512_add_epi32(lo_total, lo);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hi.data() + at), _mm512_cvtsepi32_epi8(hi));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.lo.data() + at), _mm512_cvtsepi32_epi8(lo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hi.get() + at), _mm512_cvtsepi32_epi8(hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.lo.get() + at), _mm512_cvtsepi32_epi8(lo));
       }
       q.scale[i] = d;
       q.sum[i] = d * (static_cast<float>(_mm512_reduce_add_epi32(hi_total)) +
@@ -103,8 +102,8 @@ template <int Bits, int Block, int R, int P, int U>
 inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel,
                        int64_t panel_bytes, int64_t block_bytes, int64_t b) {
   constexpr int kSteps = Block / 4;
-  const int32_t* xhi = reinterpret_cast<const int32_t*>(q.hi.data() + r0 * cols);
-  const int32_t* xlo = reinterpret_cast<const int32_t*>(q.lo.data() + r0 * cols);
+  const int32_t* xhi = reinterpret_cast<const int32_t*>(q.hi.get() + r0 * cols);
+  const int32_t* xlo = reinterpret_cast<const int32_t*>(q.lo.get() + r0 * cols);
   const int64_t row_words = cols / 4, row_blocks = cols / Block;
   __m512i hi[U][R][P], lo[U][R][P];
   for (int u = 0; u < U; ++u) {
@@ -220,7 +219,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   const int64_t rows = x.size(0), cols = x.size(1), panels = packed.size(0), blocks = packed.size(1);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
-  QuantizedRows q;
+  QuantizedRows q(rows * cols, rows * (cols / block));
   CADENCE_DISPATCH_FLOAT(x.scalar_type(), "quant_linear", [&] {
     quantize_rows(x.data_ptr<scalar_t>(), rows, x.stride(0), cols, block, q);
     const uint8_t* w = packed.data_ptr<uint8_t>();
