@@ -58,7 +58,9 @@ def _x(rows: int, cols: int, layout: str, dtype: torch.dtype) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.name)
-@pytest.mark.parametrize(("rows", "batch"), [(1, 1), (17, 3), (40, 9), (33, 300)])
+# rows: one panel, 3 panels (a pair and a single at one row), 5 (four and a single), 7 (four, a pair, a
+# single), a pair; batch: one row, a few rows (panels four at a time), tiles of 4 rows, row blocks of 256.
+@pytest.mark.parametrize(("rows", "batch"), [(1, 1), (40, 1), (65, 2), (100, 3), (17, 3), (40, 9), (33, 300)])
 def test_kernel_against_the_gguf_reference(kind: GGMLQuantizationType, rows: int, batch: int) -> None:
     torch.manual_seed(rows * batch)
     matrix, reference = _weight(kind, rows, blocks=2 if GGML_QUANT_SIZES[kind][0] == 256 else 5)

@@ -178,23 +178,35 @@ void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, i
   constexpr Tile kSingles[kTileRows + 1] = {nullptr, tile<Bits, Block, 1, 1, T>, tile<Bits, Block, 2, 1, T>,
                                             tile<Bits, Block, 3, 1, T>, tile<Bits, Block, 4, 1, T>};
   const int64_t panel_bytes = blocks * block_bytes;
-  // A few rows are bound by the weights' memory traffic: one panel at a time reads each thread's
-  // panels as one sequential stream. More rows are bound by the arithmetic: two panels at a time
-  // give twice the independent sums per step.
-  const int64_t width = rows >= kTileRows ? 2 : 1;
+  // A few rows: each row against four panels at a time (one activation broadcast serves four
+  // VPDPBUSDs; measured at one row, 8-40% faster than one panel at a time but for one shape).
+  // More rows: up to 4 rows against two panels, twice the independent sums per step.
+  const int64_t width = rows >= kTileRows ? 2 : 4;
   const int64_t groups = (panels + width - 1) / width;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    const int64_t stop = std::min(panels, width * end);
     // Rows go in blocks whose activations stay in L2 while the thread's panels pass over them.
     for (int64_t first = 0; first < rows; first += kRowBlock) {
       const int64_t last = std::min(rows, first + kRowBlock);
-      for (int64_t j = width * begin; j < std::min(panels, width * end); j += width) {
-        const Tile* tiles = width == 2 && j + 1 < panels ? kPairs : kSingles;
-        const int64_t out_cols = std::min(width * kLanes, out_features - j * kLanes);
-        for (int64_t r = first; r < last; r += kTileRows) {
-          tiles[std::min(kTileRows, last - r)](q, r, cols, w + j * panel_bytes, panel_bytes, blocks, block_bytes,
-                                               out + r * out_features + j * kLanes, out_features, out_cols,
-                                               bias ? bias + j * kLanes : nullptr);
+      for (int64_t j = width * begin; j < stop;) {
+        const int64_t take = width == 4 && stop - j >= 4 ? 4 : stop - j >= 2 ? 2 : 1;
+        const int64_t out_cols = std::min(take * kLanes, out_features - j * kLanes);
+        const uint8_t* panel = w + j * panel_bytes;
+        const T* panel_bias = bias ? bias + j * kLanes : nullptr;
+        if (take == 4) {
+          for (int64_t r = first; r < last; ++r) {
+            tile<Bits, Block, 1, 4, T>(q, r, cols, panel, panel_bytes, blocks, block_bytes,
+                                       out + r * out_features + j * kLanes, out_features, out_cols, panel_bias);
+          }
+        } else {
+          const Tile* tiles = take == 2 ? kPairs : kSingles;
+          for (int64_t r = first; r < last; r += kTileRows) {
+            tiles[std::min(kTileRows, last - r)](q, r, cols, panel, panel_bytes, blocks, block_bytes,
+                                                 out + r * out_features + j * kLanes, out_features, out_cols,
+                                                 panel_bias);
+          }
         }
+        j += take;
       }
     }
   });
