@@ -12,6 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from cadence.config import (
+    QUANTIZATIONS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -55,7 +56,7 @@ class EngineArgs:
     quantization: str = field(default="auto", metadata=_flag(
         "how weights are kept: auto keeps a .gguf file's quantized types on the CPU (gguf) and runs other "
         "models in --dtype (none); int8 quantizes the linear layers per output channel (docs/quantization.md)",
-        choices=["auto", "gguf", "int8", "none"], aliases=["-q"]))
+        choices=["auto", *QUANTIZATIONS], aliases=["-q"]))
     max_model_len: int | None = field(default=None, metadata=_flag("context length (default: the model's)"))
     seed: int = field(default=0, metadata=_flag("global random seed"))
     block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))

@@ -130,7 +130,6 @@ class GGUFTensorInfo:
 class GGUFIndex:
     """A GGUF file's architecture, byte order and tensors by name."""
 
-    path: Path
     architecture: str
     big_endian: bool
     tensors: dict[str, GGUFTensorInfo]
@@ -161,7 +160,7 @@ def gguf_index(gguf: Path) -> GGUFIndex:
         start = -(-meta.tell() // alignment) * alignment
         tensors = {name: GGUFTensorInfo(name, shape, kind, start + offset, _nbytes(shape, kind))
                    for name, shape, kind, offset in infos}
-    return GGUFIndex(gguf, architecture, meta.big_endian, tensors)
+    return GGUFIndex(architecture, meta.big_endian, tensors)
 
 
 def _tensor_info(meta: _GGUFMetadata, gguf: Path) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:

@@ -47,13 +47,17 @@ class RowRange:
 
     def __getitem__(self, index: Any, /) -> torch.Tensor:
         rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        shifted = self._shifted(rows)
+        return self.tensor[(shifted, *rest)] if rest else self.tensor[shifted]
+
+    def _shifted(self, rows: Any) -> slice:
+        """``rows`` of this range as rows of the underlying tensor."""
         if not isinstance(rows, slice):
             raise TypeError(f"a row range is indexed by a slice of rows, not {rows!r}")
         start, stop, step = rows.indices(self.size)
         if step != 1:
             raise TypeError("a row range is indexed by contiguous rows")
-        shifted = slice(self.start + start, self.start + stop)
-        return self.tensor[(shifted, *rest)] if rest else self.tensor[shifted]
+        return slice(self.start + start, self.start + stop)
 
 
 class QuantizedRowRange(RowRange):
@@ -62,8 +66,7 @@ class QuantizedRowRange(RowRange):
     tensor: QuantizedCheckpointTensor
 
     def block_codes(self, rows: slice, cols: slice) -> BlockCodes:
-        start, stop, _ = rows.indices(self.size)
-        return self.tensor.block_codes(slice(self.start + start, self.start + stop), cols)
+        return self.tensor.block_codes(self._shifted(rows), cols)
 
 
 def fused_parts(config: PretrainedConfig) -> dict[str, list[tuple[str, int]]]:

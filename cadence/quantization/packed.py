@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.cpu_kernels import cpu_ops, runs_kernels
 from cadence.quantization.blocks import BlockCodes
 
 LANES = 16
@@ -33,10 +33,6 @@ class QuantizedMatrix:
     cols: int
     bits: int
     block: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel()
 
     @functools.cached_property
     def padded_cols(self) -> int:
@@ -91,8 +87,9 @@ def _kernel() -> Any | None:
 
 
 def kernel_runs(x: torch.Tensor) -> bool:
-    """Whether ``x @ W.T`` goes through the kernel: float32 or bfloat16 on a CPU it runs on."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _kernel() is not None
+    """Whether ``x @ W.T`` goes through the kernel: ``x`` of the CPU kernels' devices and dtypes, on a
+    CPU with AVX512-VNNI."""
+    return runs_kernels(x.device, x.dtype) and _kernel() is not None
 
 
 def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None) -> torch.Tensor:
