@@ -4,8 +4,11 @@ linear layer over them: the kernel where it runs, else a torch path that dequant
 Rows go in panels of 16 (one 32-bit lane per row). Per panel and block of input columns, one run of
 bytes holds the 16 rows' float16 scales, their 16 minimums, then the codes: in steps of 4 columns,
 64 bytes per step, bytes ``4j .. 4j+3`` the codes of row ``j`` (the operand layout of one VPDPBUSD).
-4-bit codes pair step ``s`` (low nibble) with step ``s + block/8`` (high nibble). A thread streams
-whole panels, each block's bytes once per call (per 256 rows of activations).
+4-bit codes pair step ``s`` (low nibble) with step ``s + block/8`` (high nibble). Panels go in
+groups of 4 (64 rows, zero rows appended), whose runs interleave block by block: one decode row
+reads a group as one sequential stream, which the prefetchers follow (four streams, one per panel,
+ran at 60-75% of the speed; docs/quantization.md). A thread streams whole groups, each block's
+bytes once per call (per 256 rows of activations).
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from cadence.backends.cpu_kernels import cpu_ops, runs_kernels
 from cadence.quantization.blocks import BlockCodes
 
 LANES = 16
+_GROUP_PANELS = 4
+_GROUP_ROWS = _GROUP_PANELS * LANES
 _SCALE_BYTES = 4 * LANES  # 16 float16 scales, 16 float16 minimums
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    """A ``[rows, cols]`` weight packed for the kernel: ``packed`` uint8 ``[ceil(rows/16), blocks, bytes]``."""
+    """A ``[rows, cols]`` weight packed for the kernel: ``packed`` uint8 ``[ceil(rows/64), blocks, 4, bytes]``
+    (group, block, panel in the group)."""
 
     packed: torch.Tensor
     rows: int
@@ -42,8 +48,8 @@ class QuantizedMatrix:
 def pack(weight: BlockCodes, cols: int | None = None) -> QuantizedMatrix:
     """``weight`` in the kernel's layout; ``cols``: the logical input width where the codes pad it."""
     rows, width = weight.shape
-    panels, blocks, steps = -(-rows // LANES), width // weight.block, weight.block // 4
-    pad = panels * LANES - rows
+    groups, blocks, steps = -(-rows // _GROUP_ROWS), width // weight.block, weight.block // 4
+    panels, pad = groups * _GROUP_PANELS, groups * _GROUP_ROWS - rows
 
     def panel_major(t: torch.Tensor) -> torch.Tensor:  # [rows, ...] -> [panels, 16, ...], zero rows appended
         return F.pad(t, (0, 0, 0, pad)).view(panels, LANES, *t.shape[1:])
@@ -54,14 +60,15 @@ def pack(weight: BlockCodes, cols: int | None = None) -> QuantizedMatrix:
     codes = codes.reshape(panels, blocks, steps, LANES * 4)
     if weight.bits == 4:
         codes = codes[:, :, :steps // 2] | (codes[:, :, steps // 2:] << 4)
-    packed = torch.cat([scale_bytes, codes.reshape(panels, blocks, -1)], dim=2).contiguous()
+    packed = torch.cat([scale_bytes, codes.reshape(panels, blocks, -1)], dim=2)
+    packed = packed.view(groups, _GROUP_PANELS, blocks, -1).transpose(1, 2).contiguous()
     return QuantizedMatrix(packed, rows, width if cols is None else cols, weight.bits, weight.block)
 
 
 def unpack_rows(matrix: QuantizedMatrix, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows ``rows`` (int64 ``[T]``) of the weight, dequantized: ``[T, cols]`` (an embedding lookup)."""
     lane = rows % LANES
-    picked = matrix.packed[rows // LANES]  # [T, blocks, bytes]
+    picked = matrix.packed[rows // _GROUP_ROWS, :, rows // LANES % _GROUP_PANELS]  # [T, blocks, bytes]
     count, blocks = picked.shape[0], picked.shape[1]
     at = torch.arange(count, device=rows.device)
     scales = picked[..., :_SCALE_BYTES].contiguous().view(torch.float16).view(count, blocks, 2, LANES)

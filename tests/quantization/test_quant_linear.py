@@ -58,9 +58,11 @@ def _x(rows: int, cols: int, layout: str, dtype: torch.dtype) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.name)
-# rows: one panel, 3 panels (a pair and a single at one row), 5 (four and a single), 7 (four, a pair, a
-# single), a pair; batch: one row, a few rows (panels four at a time), tiles of 4 rows, row blocks of 256.
-@pytest.mark.parametrize(("rows", "batch"), [(1, 1), (40, 1), (65, 2), (100, 3), (17, 3), (40, 9), (33, 300)])
+# rows: one group of four 16-row panels holding one row, 3 panels' rows, a second group of one row,
+# of 3 panels' rows, two panels, four groups (two for each thread); batch: one row, a few rows (whole
+# groups at a time), tiles of 4 rows and a tail, row blocks of 256.
+@pytest.mark.parametrize(("rows", "batch"),
+                         [(1, 1), (40, 1), (65, 2), (100, 3), (17, 3), (200, 1), (40, 9), (200, 6), (33, 300)])
 def test_kernel_against_the_gguf_reference(kind: GGMLQuantizationType, rows: int, batch: int) -> None:
     torch.manual_seed(rows * batch)
     matrix, reference = _weight(kind, rows, blocks=2 if GGML_QUANT_SIZES[kind][0] == 256 else 5)
@@ -127,10 +129,10 @@ def test_torch_path_dequantizes_per_call(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_pack_keeps_every_value_and_rows_unpack_alone() -> None:
     torch.manual_seed(4)
     for bits, block in [(4, 32), (8, 32), (4, 16), (8, 16)]:
-        codes = BlockCodes(torch.randint(0, 2 ** bits, (37, 96), dtype=torch.uint8),
-                           torch.rand(37, 96 // block).half(), torch.randn(37, 96 // block).half(), bits, block)
-        matrix = pack(codes)
-        assert matrix.packed.shape == (3, 96 // block, 64 + 16 * block * bits // 8)
+        codes = BlockCodes(torch.randint(0, 2 ** bits, (70, 96), dtype=torch.uint8),
+                           torch.rand(70, 96 // block).half(), torch.randn(70, 96 // block).half(), bits, block)
+        matrix = pack(codes)  # two groups of four 16-row panels, the second mostly zero rows
+        assert matrix.packed.shape == (2, 96 // block, 4, 64 + 16 * block * bits // 8)
         assert torch.equal(dequantize(matrix), codes.dequantize())
-        rows = torch.tensor([36, 0, 17, 17])
+        rows = torch.tensor([69, 0, 17, 17, 64, 63])
         assert torch.equal(unpack_rows(matrix, rows, torch.bfloat16), codes.dequantize()[rows].bfloat16())

@@ -4,6 +4,8 @@
 // cadence/quantization/packed.py: panels of 16 rows, and per (panel, block) the 16 rows' float16
 // scales, their 16 float16 minimums, then the codes in steps of 4 columns, 64 bytes per step,
 // bytes 4j..4j+3 row j's (4-bit codes: step s in the low nibbles, step s + block/8 in the high).
+// Panels go in groups of 4 whose (panel, block) runs interleave block by block, so that a group is
+// one sequential stream.
 //
 // The activations are quantized per call, per row and block of the weight, into two int8 parts:
 // x ~ s * (hi + lo / 254) with s = max|x| / 127, hi = round(x / s), lo = round((x - s * hi) * 254 / s)
@@ -12,8 +14,10 @@
 // two do not (docs/quantization.md). Per step, two VPDPBUSDs add 4 code x part products into each
 // row's 32-bit lanes; per block y += scale * s * (isum_hi + isum_lo / 254) + minimum * x_sum, where
 // x_sum is the block's sum of xq. So y = sum_k w_k * xq_k but for float32 rounding. Threads own
-// whole panels; each weight byte is read once per call (per 256 rows of x). Built on first use by
-// cadence/backends/cpu_kernels.py.
+// whole groups; each weight byte is read once per call (per 256 rows of x), and about 16 KiB ahead
+// of its use it is prefetched into L2: at one row a call is bound by how fast the weights arrive,
+// and the hardware prefetchers alone brought them 25% slower (docs/quantization.md). Built on first
+// use by cadence/backends/cpu_kernels.py.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,8 +34,10 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kScaleBytes = 64;
+constexpr int64_t kGroupPanels = 4;
 constexpr int64_t kTileRows = 4;
 constexpr int64_t kRowBlock = 256;
+constexpr int64_t kPrefetchBytes = 16384;  // measured at one row: 12-20 KiB ahead best, 8 KiB 10% slower
 
 bool quant_linear_supported() { return __builtin_cpu_supports("avx512vnni"); }
 
@@ -95,13 +101,32 @@ inline __m512i step_codes(const uint8_t* codes, int s) {
   }
 }
 
-// U blocks from block b of P adjacent panels against rows [r0, r0 + R) of the quantized activations,
-// added into acc: R x P x U independent 32-bit sums per step keep the VPDPBUSD pipes busy (one
-// sum's chain of Block/4 dependent VPDPBUSDs would leave them idle most of the time).
+// One (panel, block)'s bytes: 16 scales, 16 minimums, the codes.
+template <int Bits, int Block>
+constexpr int64_t kBlockBytes = kScaleBytes + kLanes * Block * Bits / 8;
+
+// How many blocks of a group ahead of its use a whole-group tile prefetches.
+template <int Bits, int Block>
+constexpr int64_t kAhead = std::max<int64_t>(1, kPrefetchBytes / (kGroupPanels * kBlockBytes<Bits, Block>));
+
+// U blocks from block b of P adjacent panels of one group (panel points at the first) against rows
+// [r0, r0 + R) of the quantized activations, added into acc: R x P x U independent 32-bit sums per
+// step keep the VPDPBUSD pipes busy (one sum's chain of Block/4 dependent VPDPBUSDs would leave
+// them idle most of the time).
 template <int Bits, int Block, int R, int P, int U>
 inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel,
-                       int64_t panel_bytes, int64_t block_bytes, int64_t b) {
+                       int64_t b, const uint8_t* stream_end) {
   constexpr int kSteps = Block / 4;
+  constexpr int64_t block_bytes = kBlockBytes<Bits, Block>, group_block_bytes = kGroupPanels * block_bytes;
+  if constexpr (P == kGroupPanels) {  // whole groups: few rows, bound by how fast the weights arrive
+    for (int u = 0; u < U; ++u) {
+      const uint8_t* next = panel + (b + u + kAhead<Bits, Block>) * group_block_bytes;
+      if (next >= stream_end) break;
+      for (int64_t line = 0; line < group_block_bytes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T1);
+      }
+    }
+  }
   const int32_t* xhi = reinterpret_cast<const int32_t*>(q.hi.get() + r0 * cols);
   const int32_t* xlo = reinterpret_cast<const int32_t*>(q.lo.get() + r0 * cols);
   const int64_t row_words = cols / 4, row_blocks = cols / Block;
@@ -116,7 +141,7 @@ inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, 
     for (int u = 0; u < U; ++u) {
       __m512i w[P];
       for (int p = 0; p < P; ++p) {
-        w[p] = step_codes<Bits, Block>(panel + p * panel_bytes + (b + u) * block_bytes + kScaleBytes, s);
+        w[p] = step_codes<Bits, Block>(panel + p * block_bytes + (b + u) * group_block_bytes + kScaleBytes, s);
       }
       for (int r = 0; r < R; ++r) {
         const int64_t at = r * row_words + (b + u) * kSteps + s;
@@ -131,7 +156,7 @@ inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, 
   const __m512 per_lo = _mm512_set1_ps(1.0f / kLoSteps);
   for (int u = 0; u < U; ++u) {
     for (int p = 0; p < P; ++p) {
-      const uint8_t* scales = panel + p * panel_bytes + (b + u) * block_bytes;
+      const uint8_t* scales = panel + p * block_bytes + (b + u) * group_block_bytes;
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
       const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
       for (int r = 0; r < R; ++r) {
@@ -145,10 +170,13 @@ inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, 
   }
 }
 
-// Rows [r0, r0 + R) of the quantized activations against P adjacent panels (16 P output columns).
+// Rows [r0, r0 + R) of the quantized activations against P adjacent panels of one group (16 P
+// output columns, out_cols of them kept). A whole group's tile prefetches the thread's stream of
+// groups ahead, across the group's end up to stream_end (groups of decode layers are a few KiB:
+// stopping at each one's end left its first blocks unfetched, and 25% of the gain).
 template <int Bits, int Block, int R, int P, typename T>
-void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel, int64_t panel_bytes, int64_t blocks,
-          int64_t block_bytes, T* out, int64_t out_stride, int64_t out_cols, const T* bias) {
+void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel, int64_t blocks,
+          const uint8_t* stream_end, T* out, int64_t out_stride, int64_t out_cols, const T* bias) {
   constexpr int kUnroll = R * P <= 1 ? 4 : R * P <= 2 ? 2 : 1;
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r) {
@@ -156,9 +184,9 @@ void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel
   }
   int64_t b = 0;
   for (; b + kUnroll <= blocks; b += kUnroll) {
-    add_blocks<Bits, Block, R, P, kUnroll>(acc, q, r0, cols, panel, panel_bytes, block_bytes, b);
+    add_blocks<Bits, Block, R, P, kUnroll>(acc, q, r0, cols, panel, b, stream_end);
   }
-  for (; b < blocks; ++b) add_blocks<Bits, Block, R, P, 1>(acc, q, r0, cols, panel, panel_bytes, block_bytes, b);
+  for (; b < blocks; ++b) add_blocks<Bits, Block, R, P, 1>(acc, q, r0, cols, panel, b, stream_end);
   for (int p = 0; p < P && 16 * p < out_cols; ++p) {
     const __mmask16 m = cadence::tail_mask(out_cols - 16 * p);
     for (int r = 0; r < R; ++r) {
@@ -169,58 +197,63 @@ void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel
 }
 
 template <int Bits, int Block, typename T>
-void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, int64_t panels, int64_t blocks,
-         int64_t block_bytes, T* out, int64_t out_features, const T* bias) {
-  using Tile = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, T*, int64_t,
+void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, int64_t groups, int64_t blocks, T* out,
+         int64_t out_features, const T* bias) {
+  using Tile = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, int64_t, const uint8_t*, T*, int64_t,
                         int64_t, const T*);
   constexpr Tile kPairs[kTileRows + 1] = {nullptr, tile<Bits, Block, 1, 2, T>, tile<Bits, Block, 2, 2, T>,
                                           tile<Bits, Block, 3, 2, T>, tile<Bits, Block, 4, 2, T>};
-  constexpr Tile kSingles[kTileRows + 1] = {nullptr, tile<Bits, Block, 1, 1, T>, tile<Bits, Block, 2, 1, T>,
-                                            tile<Bits, Block, 3, 1, T>, tile<Bits, Block, 4, 1, T>};
-  const int64_t panel_bytes = blocks * block_bytes;
-  // A few rows: each row against four panels at a time (one activation broadcast serves four
+  constexpr int64_t block_bytes = kBlockBytes<Bits, Block>;
+  const int64_t group_bytes = blocks * kGroupPanels * block_bytes;
+  // A few rows: each row against a whole group at a time (one activation broadcast serves four
   // VPDPBUSDs; measured at one row, 8-40% faster than one panel at a time but for one shape).
   // More rows: up to 4 rows against two panels, twice the independent sums per step.
-  const int64_t width = rows >= kTileRows ? 2 : 4;
-  const int64_t groups = (panels + width - 1) / width;
+  const bool whole_groups = rows < kTileRows;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    const int64_t stop = std::min(panels, width * end);
     // Rows go in blocks whose activations stay in L2 while the thread's panels pass over them.
     for (int64_t first = 0; first < rows; first += kRowBlock) {
       const int64_t last = std::min(rows, first + kRowBlock);
-      for (int64_t j = width * begin; j < stop;) {
-        const int64_t take = width == 4 && stop - j >= 4 ? 4 : stop - j >= 2 ? 2 : 1;
-        const int64_t out_cols = std::min(take * kLanes, out_features - j * kLanes);
-        const uint8_t* panel = w + j * panel_bytes;
-        const T* panel_bias = bias ? bias + j * kLanes : nullptr;
-        if (take == 4) {
-          for (int64_t r = first; r < last; ++r) {
-            tile<Bits, Block, 1, 4, T>(q, r, cols, panel, panel_bytes, blocks, block_bytes,
-                                       out + r * out_features + j * kLanes, out_features, out_cols, panel_bias);
-          }
-        } else {
-          const Tile* tiles = take == 2 ? kPairs : kSingles;
-          for (int64_t r = first; r < last; r += kTileRows) {
-            tiles[std::min(kTileRows, last - r)](q, r, cols, panel, panel_bytes, blocks, block_bytes,
-                                                 out + r * out_features + j * kLanes, out_features, out_cols,
-                                                 panel_bias);
+      const uint8_t* stream_end = w + end * group_bytes;
+      // The tiles prefetch kPrefetchBytes ahead of themselves: the first ones are fetched here.
+      const uint8_t* start = w + begin * group_bytes;
+      for (const uint8_t* line = start; whole_groups && line < std::min(stream_end, start + kPrefetchBytes); line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+      }
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* group = w + g * group_bytes;
+        for (int64_t j = 0; j < kGroupPanels; j += whole_groups ? kGroupPanels : 2) {
+          const int64_t column = (g * kGroupPanels + j) * kLanes;  // the tile's first output column
+          const int64_t out_cols = std::min((whole_groups ? kGroupPanels : 2) * kLanes, out_features - column);
+          if (out_cols <= 0) break;  // panels of zero rows that fill the last group
+          const T* tile_bias = bias ? bias + column : nullptr;
+          if (whole_groups) {
+            for (int64_t r = first; r < last; ++r) {
+              tile<Bits, Block, 1, kGroupPanels, T>(q, r, cols, group, blocks, stream_end,
+                                                    out + r * out_features + column, out_features, out_cols, tile_bias);
+            }
+          } else {
+            for (int64_t r = first; r < last; r += kTileRows) {
+              kPairs[std::min(kTileRows, last - r)](q, r, cols, group + j * block_bytes, blocks, stream_end,
+                                                    out + r * out_features + column, out_features, out_cols,
+                                                    tile_bias);
+            }
           }
         }
-        j += take;
       }
     }
   });
 }
 
-// x [M, K] float32 or bfloat16, packed uint8 [ceil(N/16), K/block, 64 + 16 * block * bits / 8], bias [N]
-// of x's dtype or None -> [M, N] of x's dtype.
+// x [M, K] float32 or bfloat16, packed uint8 [ceil(N/64), K/block, 4, 64 + 16 * block * bits / 8],
+// bias [N] of x's dtype or None -> [M, N] of x's dtype.
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                         int64_t out_features, int64_t bits, int64_t block) {
   TORCH_CHECK((bits == 4 || bits == 8) && (block == 16 || block == 32), "quant_linear: no kernel for ", bits,
               "-bit codes in blocks of ", block);
   const int64_t block_bytes = kScaleBytes + kLanes * block * bits / 8;
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == block_bytes && packed.size(0) == (out_features + kLanes - 1) / kLanes,
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kGroupPanels && packed.size(3) == block_bytes &&
+                  packed.size(0) == (out_features + kGroupPanels * kLanes - 1) / (kGroupPanels * kLanes),
               "quant_linear: the weight must be packed by cadence.quantization.packed.pack (", out_features, " rows)");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == packed.size(1) * block &&
                   (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
@@ -228,7 +261,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == x_in.scalar_type()),
               "quant_linear: bias must be dense [", out_features, "] of x's dtype");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t rows = x.size(0), cols = x.size(1), panels = packed.size(0), blocks = packed.size(1);
+  const int64_t rows = x.size(0), cols = x.size(1), groups = packed.size(0), blocks = packed.size(1);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   QuantizedRows q(rows * cols, rows * (cols / block));
@@ -237,10 +270,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
     const uint8_t* w = packed.data_ptr<uint8_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* b = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    if (bits == 4 && block == 32) run<4, 32>(q, rows, cols, w, panels, blocks, block_bytes, o, out_features, b);
-    if (bits == 8 && block == 32) run<8, 32>(q, rows, cols, w, panels, blocks, block_bytes, o, out_features, b);
-    if (bits == 4 && block == 16) run<4, 16>(q, rows, cols, w, panels, blocks, block_bytes, o, out_features, b);
-    if (bits == 8 && block == 16) run<8, 16>(q, rows, cols, w, panels, blocks, block_bytes, o, out_features, b);
+    if (bits == 4 && block == 32) run<4, 32>(q, rows, cols, w, groups, blocks, o, out_features, b);
+    if (bits == 8 && block == 32) run<8, 32>(q, rows, cols, w, groups, blocks, o, out_features, b);
+    if (bits == 4 && block == 16) run<4, 16>(q, rows, cols, w, groups, blocks, o, out_features, b);
+    if (bits == 8 && block == 16) run<8, 16>(q, rows, cols, w, groups, blocks, o, out_features, b);
   });
   return out;
 }
