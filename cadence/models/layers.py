@@ -170,26 +170,40 @@ class StepRope:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables ``[max_position_embeddings, rotary_dim]`` in the model dtype; ``fused`` rotates
-    q and k in place with one C++ kernel (``backends/csrc/layer_ops.cpp``), which turns whole heads:
-    with partial rotary (``rotary_dim < head_dim``) the torch path turns the leading dims instead."""
+    """cos/sin tables ``[positions, rotary_dim]`` in the model dtype; ``fused`` rotates q and k in
+    place with one C++ kernel (``backends/csrc/layer_ops.cpp``), which turns whole heads: with
+    partial rotary (``rotary_dim < head_dim``) the torch path turns the leading dims instead.
+
+    On the CPU the tables start at 4,096 positions and double when a step needs more, up to
+    ``max_position_embeddings``: the four tables of Gemma 3 270M's 32,768 positions would be 67 MB
+    beside its 250 MB of quantized weights (docs/quantization.md), and a step's largest position
+    costs one reduction. Elsewhere they cover every position from the start."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    _FIRST_ROWS = 4096
 
     def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str, fused: bool,
                  layer_type: str | None = None) -> None:
         super().__init__()
         self.fused = fused
-        inv_freq, scale = rope_inv_freq(config, layer_type)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
+        self.dtype = dtype
+        self.max_positions = int(config.max_position_embeddings)
+        self.inv_freq, self.scale = rope_inv_freq(config, layer_type)
+        lazy = torch.device(device).type == "cpu"
+        self._tables(min(self.max_positions, self._FIRST_ROWS) if lazy else self.max_positions, device)
+        self.kernel_rotates = fused and self.cos.shape[1] == head_dim_of(config)
+
+    def _tables(self, rows: int, device: torch.device | str) -> None:
+        freqs = torch.arange(rows, dtype=torch.float)[:, None] * self.inv_freq[None, :]
         table = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", (table.cos() * scale).to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", (table.sin() * scale).to(device=device, dtype=dtype), persistent=False)
-        self.kernel_rotates = fused and table.shape[1] == head_dim_of(config)
+        self.register_buffer("cos", (table.cos() * self.scale).to(device=device, dtype=self.dtype), persistent=False)
+        self.register_buffer("sin", (table.sin() * self.scale).to(device=device, dtype=self.dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> StepRope:
+        rows = self.cos.shape[0]
+        if rows < self.max_positions and positions.numel() and (needed := int(positions.max()) + 1) > rows:
+            self._tables(min(self.max_positions, max(needed, 2 * rows)), self.cos.device)
         if self.kernel_rotates:
             return StepRope(positions, None, None)
         return StepRope(positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))

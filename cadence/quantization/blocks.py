@@ -1,12 +1,13 @@
 """The one block form every quantized weight is decoded into, whatever its file format.
 
 A ``[rows, cols]`` weight is cut along its input columns into blocks of ``block`` (16 or 32) values;
-each value is ``scale * code + minimum`` with an unsigned integer code of ``bits`` (4 or 8) bits and
-a float16 ``scale`` and ``minimum`` per (row, block). llama.cpp's symmetric formats fit it with
-``minimum = -offset * scale`` (Q8_0: code = q + 128; Q4_0: the stored nibble, offset 8), its K-quants
-with their sub-block scales multiplied out (rounded to float16 once, at load), 5- and 6-bit codes as
-8-bit ones. One form means one kernel: ``x @ W.T`` becomes integer dot products of the codes with the
-activations quantized to int8, then one multiply-add per block for the scale and one for the minimum.
+each value is ``scale * code + minimum`` with an unsigned integer code of ``bits`` (4, 5, 6 or 8) bits
+and a float16 ``scale`` and ``minimum`` per (row, block). llama.cpp's symmetric formats fit it with
+``minimum = -2**(bits-1) * scale`` (Q8_0: code = q + 128; Q4_0, Q5_0, Q6_K: the stored code, offset 8,
+16, 32), which the packed layout then leaves out (:func:`symmetric`); its K-quants with their
+sub-block scales multiplied out (rounded to float16 once, at load). One form means one kernel:
+``x @ W.T`` becomes integer dot products of the codes with the activations quantized to int8, then
+one multiply-add per block for the scale and one for the minimum.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCKS = (16, 32)
-CODE_BITS = (4, 8)
+# (bits, block) pairs the kernel has layouts for: what the GGML formats decode to (Q6_K: 6 in 16),
+# and what fusing them gives (the widest codes in the shortest blocks: 6 or 8 bits in blocks of 16).
+FORMS = frozenset({(4, 32), (5, 32), (8, 32), (6, 16), (8, 16)})
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class BlockCodes:
 
     def __post_init__(self) -> None:
         rows, cols = self.codes.shape
-        if self.block not in BLOCKS or self.bits not in CODE_BITS or cols % self.block:
+        if (self.bits, self.block) not in FORMS or cols % self.block:
             raise ValueError(f"no block form for {self.bits}-bit codes in blocks of {self.block} over {cols} columns")
         if self.scale.shape != (rows, cols // self.block) or self.minimum.shape != self.scale.shape:
             raise ValueError(f"scales {tuple(self.scale.shape)} do not fit codes {tuple(self.codes.shape)}")
@@ -64,9 +66,17 @@ class BlockCodes:
                           self.minimum.repeat_interleave(repeat, 1), bits, block)
 
 
+def symmetric(codes: BlockCodes) -> bool:
+    """Whether every minimum is ``-2**(bits-1) * scale`` (exact in float16: a power of two times it)."""
+    offset = -(1 << (codes.bits - 1))
+    return torch.equal(codes.minimum, (offset * codes.scale.float()).to(torch.float16))
+
+
 def concat_rows(parts: list[BlockCodes]) -> BlockCodes:
-    """Row blocks stacked (a fused q/k/v or gate/up weight), in the widest codes and shortest blocks."""
+    """Row blocks stacked (a fused q/k/v or gate/up weight), in the widest codes and shortest blocks
+    (at least 6 bits in blocks of 16)."""
     bits, block = max(p.bits for p in parts), min(p.block for p in parts)
+    bits = max(bits, 6) if block == 16 else bits
     same = [p.widened(bits, block) for p in parts]
     return BlockCodes(torch.cat([p.codes for p in same]), torch.cat([p.scale for p in same]),
                       torch.cat([p.minimum for p in same]), bits, block)

@@ -60,12 +60,12 @@ def _q4_1(raw: torch.Tensor) -> BlockCodes:
 def _q5_0(raw: torch.Tensor) -> BlockCodes:
     d = _f16(raw, 0)
     codes = _nibbles(raw[..., 6:22]) | (_bits(raw[..., 2:6], 32) << 4)
-    return _codes(raw.shape[0], codes, d, -16 * d.float(), 8, 32)
+    return _codes(raw.shape[0], codes, d, -16 * d.float(), 5, 32)
 
 
 def _q5_1(raw: torch.Tensor) -> BlockCodes:
     codes = _nibbles(raw[..., 8:24]) | (_bits(raw[..., 4:8], 32) << 4)
-    return _codes(raw.shape[0], codes, _f16(raw, 0), _f16(raw, 2), 8, 32)
+    return _codes(raw.shape[0], codes, _f16(raw, 0), _f16(raw, 2), 5, 32)
 
 
 def _k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +100,7 @@ def _q5_k(raw: torch.Tensor) -> BlockCodes:
     qh = raw[..., 16:48]  # bit 2c (low nibbles) and 2c+1 (high) of byte l: value l of chunk c's two sub-blocks
     shifts = torch.arange(8, dtype=torch.uint8)
     high = ((qh.unsqueeze(-2) >> shifts.view(8, 1)) & 1).flatten(-2)  # [..., 8 sub-blocks * 32]
-    return _codes(raw.shape[0], _chunks(raw[..., 48:176]) | (high << 4), scale, minimum, 8, 32)
+    return _codes(raw.shape[0], _chunks(raw[..., 48:176]) | (high << 4), scale, minimum, 5, 32)
 
 
 def _q6_k(raw: torch.Tensor) -> BlockCodes:
@@ -110,7 +110,7 @@ def _q6_k(raw: torch.Tensor) -> BlockCodes:
     codes = (low | (high << 4)).flatten(-2)  # [..., 256]: each half's four quarters of 32
     # One scale per 16 values, rounded to float16 once; the offset of 32 then multiplies it exactly.
     scale = (_f16(raw, 208).float().unsqueeze(-1) * raw[..., 192:208].view(torch.int8).float()).to(torch.float16)
-    return _codes(raw.shape[0], codes, scale, -32 * scale.float(), 8, 16)
+    return _codes(raw.shape[0], codes, scale, -32 * scale.float(), 6, 16)
 
 
 DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], BlockCodes]] = {

@@ -2,13 +2,18 @@
 linear layer over them: the kernel where it runs, else a torch path that dequantizes per call.
 
 Rows go in panels of 16 (one 32-bit lane per row). Per panel and block of input columns, one run of
-bytes holds the 16 rows' float16 scales, their 16 minimums, then the codes: in steps of 4 columns,
-64 bytes per step, bytes ``4j .. 4j+3`` the codes of row ``j`` (the operand layout of one VPDPBUSD).
-4-bit codes pair step ``s`` (low nibble) with step ``s + block/8`` (high nibble). Panels go in
-groups of 4 (64 rows, zero rows appended), whose runs interleave block by block: one decode row
-reads a group as one sequential stream, which the prefetchers follow (four streams, one per panel,
-ran at 60-75% of the speed; docs/quantization.md). A thread streams whole groups, each block's
-bytes once per call (per 256 rows of activations).
+bytes holds the 16 rows' float16 scales, their 16 minimums (left out where the block form is
+symmetric: the kernel derives them), then the codes: in steps of 4 columns, 64 bytes per step, bytes
+``4j .. 4j+3`` the codes of row ``j`` (the operand layout of one VPDPBUSD). Codes narrower than 8
+bits go in a nibble plane, step ``s`` in the low nibbles of the vector it shares with step
+``s + block/8`` in the high ones, then (5 and 6 bits) a plane of the high bits, one vector per 8
+steps (bit ``s % 8`` of each byte: step ``s``'s fifth bit) or per 4 (bits ``2(s % 4)`` and the next:
+its fifth and sixth). So each format keeps about its file's size (docs/quantization.md).
+
+Panels go in groups of 4 (64 rows, zero rows appended), whose runs interleave block by block: one
+decode row reads a group as one sequential stream, which the prefetchers follow (four streams, one
+per panel, ran at 60-75% of the speed). A thread streams whole groups, each block's bytes once per
+call (per 256 rows of activations).
 """
 
 from __future__ import annotations
@@ -21,28 +26,34 @@ import torch
 import torch.nn.functional as F
 
 from cadence.backends.cpu_kernels import cpu_ops, runs_kernels
-from cadence.quantization.blocks import BlockCodes
+from cadence.quantization.blocks import BlockCodes, symmetric
 
 LANES = 16
 _GROUP_PANELS = 4
 _GROUP_ROWS = _GROUP_PANELS * LANES
-_SCALE_BYTES = 4 * LANES  # 16 float16 scales, 16 float16 minimums
+_HALF_BYTES = 2 * LANES  # 16 float16 scales; as many minimums
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
     """A ``[rows, cols]`` weight packed for the kernel: ``packed`` uint8 ``[ceil(rows/64), blocks, 4, bytes]``
-    (group, block, panel in the group)."""
+    (group, block, panel in the group); ``symmetric``: no minimums stored (each is ``-2**(bits-1)``
+    times its scale)."""
 
     packed: torch.Tensor
     rows: int
     cols: int
     bits: int
     block: int
+    symmetric: bool
 
     @functools.cached_property
     def padded_cols(self) -> int:
         return self.packed.shape[1] * self.block
+
+
+def _steps_per_high_vector(bits: int) -> int:
+    return 8 if bits == 5 else 4
 
 
 def pack(weight: BlockCodes, cols: int | None = None) -> QuantizedMatrix:
@@ -50,34 +61,58 @@ def pack(weight: BlockCodes, cols: int | None = None) -> QuantizedMatrix:
     rows, width = weight.shape
     groups, blocks, steps = -(-rows // _GROUP_ROWS), width // weight.block, weight.block // 4
     panels, pad = groups * _GROUP_PANELS, groups * _GROUP_ROWS - rows
+    bare = symmetric(weight)
 
     def panel_major(t: torch.Tensor) -> torch.Tensor:  # [rows, ...] -> [panels, 16, ...], zero rows appended
         return F.pad(t, (0, 0, 0, pad)).view(panels, LANES, *t.shape[1:])
 
-    scales = torch.stack([panel_major(weight.scale), panel_major(weight.minimum)], dim=2)  # [P, 16, 2, blocks]
-    scale_bytes = scales.permute(0, 3, 2, 1).contiguous().view(torch.uint8).view(panels, blocks, _SCALE_BYTES)
+    halves = [weight.scale] if bare else [weight.scale, weight.minimum]
+    scales = torch.stack([panel_major(h) for h in halves], dim=2)  # [P, 16, 1 or 2, blocks]
+    scale_bytes = scales.permute(0, 3, 2, 1).contiguous().view(torch.uint8).view(panels, blocks, -1)
     codes = panel_major(weight.codes).view(panels, LANES, blocks, steps, 4).permute(0, 2, 3, 1, 4)
     codes = codes.reshape(panels, blocks, steps, LANES * 4)
-    if weight.bits == 4:
-        codes = codes[:, :, :steps // 2] | (codes[:, :, steps // 2:] << 4)
-    packed = torch.cat([scale_bytes, codes.reshape(panels, blocks, -1)], dim=2)
+    planes = [codes]
+    if weight.bits < 8:
+        low = codes & 0xF
+        planes = [low[:, :, :steps // 2] | (low[:, :, steps // 2:] << 4)]
+    if 4 < weight.bits < 8:
+        per, high_bits = _steps_per_high_vector(weight.bits), weight.bits - 4
+        high = (codes >> 4).view(panels, blocks, steps // per, per, LANES * 4)
+        plane = torch.zeros_like(high[:, :, :, 0])
+        for j in range(per):
+            plane |= high[:, :, :, j] << (j * high_bits)
+        planes.append(plane)
+    packed = torch.cat([scale_bytes] + [p.reshape(panels, blocks, -1) for p in planes], dim=2)
     packed = packed.view(groups, _GROUP_PANELS, blocks, -1).transpose(1, 2).contiguous()
-    return QuantizedMatrix(packed, rows, width if cols is None else cols, weight.bits, weight.block)
+    return QuantizedMatrix(packed, rows, width if cols is None else cols, weight.bits, weight.block, bare)
 
 
 def unpack_rows(matrix: QuantizedMatrix, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows ``rows`` (int64 ``[T]``) of the weight, dequantized: ``[T, cols]`` (an embedding lookup)."""
     lane = rows % LANES
     picked = matrix.packed[rows // _GROUP_ROWS, :, rows // LANES % _GROUP_PANELS]  # [T, blocks, bytes]
-    count, blocks = picked.shape[0], picked.shape[1]
+    count, blocks, steps = picked.shape[0], picked.shape[1], matrix.block // 4
     at = torch.arange(count, device=rows.device)
-    scales = picked[..., :_SCALE_BYTES].contiguous().view(torch.float16).view(count, blocks, 2, LANES)
-    scale, minimum = scales[at, :, 0, lane], scales[at, :, 1, lane]  # [T, blocks]
-    codes = picked[..., _SCALE_BYTES:].reshape(count, blocks, -1, LANES, 4)[at, :, :, lane]  # [T, blocks, s, 4]
-    if matrix.bits == 4:
-        codes = torch.cat([codes & 0xF, codes >> 4], dim=2)
-    values = codes.reshape(count, blocks, matrix.block).float() * scale.float().unsqueeze(-1)
-    values += minimum.float().unsqueeze(-1)
+
+    def lanes(part: torch.Tensor) -> torch.Tensor:  # [T, blocks, n * 64] -> row's [T, blocks, n, 4]
+        return part.reshape(count, blocks, -1, LANES, 4)[at, :, :, lane]
+
+    header = _HALF_BYTES if matrix.symmetric else 2 * _HALF_BYTES
+    scales = picked[..., :header].contiguous().view(torch.float16).view(count, blocks, -1, LANES)
+    scale = scales[at, :, 0, lane].float()  # [T, blocks]
+    minimum = -(1 << (matrix.bits - 1)) * scale if matrix.symmetric else scales[at, :, 1, lane].float()
+    body = picked[..., header:]
+    if matrix.bits == 8:
+        codes = lanes(body)  # [T, blocks, steps, 4]
+    else:
+        nibbles = lanes(body[..., :steps * 32])
+        codes = torch.cat([nibbles & 0xF, nibbles >> 4], dim=2)
+        if matrix.bits > 4:
+            per, high_bits = _steps_per_high_vector(matrix.bits), matrix.bits - 4
+            high = lanes(body[..., steps * 32:]).repeat_interleave(per, dim=2)  # each step's vector
+            shifts = (torch.arange(steps, device=rows.device) % per * high_bits).to(torch.uint8).view(1, 1, steps, 1)
+            codes = codes | (((high >> shifts) & ((1 << high_bits) - 1)) << 4)
+    values = codes.reshape(count, blocks, matrix.block).float() * scale.unsqueeze(-1) + minimum.unsqueeze(-1)
     return values.reshape(count, -1)[:, :matrix.cols].to(dtype)
 
 
@@ -108,5 +143,5 @@ def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tenso
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if matrix.padded_cols != matrix.cols:
         rows = F.pad(rows, (0, matrix.padded_cols - matrix.cols))
-    out = cast(Any, _kernel())(rows, matrix.packed, bias, matrix.rows, matrix.bits, matrix.block)
+    out = cast(Any, _kernel())(rows, matrix.packed, bias, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], matrix.rows)

@@ -119,6 +119,23 @@ def test_rope_tables_are_transformers_cos_and_sin(kind: str, dtype: torch.dtype)
     assert torch.equal(step.cos[:, 0], cos[0]) and torch.equal(step.sin[:, 0], sin[0])  # fp32 tables, then cast
 
 
+def test_rope_tables_on_the_cpu_grow_with_the_positions_a_step_needs() -> None:
+    config = rope_config("default")
+    config.max_position_embeddings = 20_000
+    rope = RotaryEmbedding(config, torch.float32, CPU, fused=False)
+    assert rope.cos.shape[0] == 4096  # not 20,000 rows from the start
+    positions = torch.tensor([3, 9000, 4095])
+    step = rope(positions)
+    assert rope.cos.shape[0] == 9001 and rope.sin.shape == rope.cos.shape  # the step's need (over twice 4,096)
+    cos, sin = LlamaRotaryEmbedding(config)(torch.empty(0), positions[None])
+    assert step.cos is not None and step.sin is not None
+    assert torch.equal(step.cos[:, 0], cos[0]) and torch.equal(step.sin[:, 0], sin[0])
+    rope(torch.tensor([9500]))
+    assert rope.cos.shape[0] == 18002  # doubled
+    rope(torch.tensor([19_999]))
+    assert rope.cos.shape[0] == 20_000  # never past the model's positions
+
+
 def _qkv(tokens: int, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     return torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(4))
 

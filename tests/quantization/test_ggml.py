@@ -9,12 +9,15 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from support.ggml_blocks import QUANTIZED, Q, random_blocks
 
-from cadence.quantization.blocks import BlockCodes, concat_rows, quantize_int8
+from cadence.quantization.blocks import BlockCodes, concat_rows, quantize_int8, symmetric
 from cadence.quantization.ggml import decode
 
 # The K-quants' sub-block scales are multiplied out once, into float16: each value moves by at most
 # half a float16 ulp of its scale and minimum times the code (2^-11 relative); the rest are exact.
 EXACT = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+# Each format's codes, and whether its minimums are -2^(bits-1) scales (left out when packed).
+FORMS = {Q.Q8_0: (8, 32, True), Q.Q4_0: (4, 32, True), Q.Q4_1: (4, 32, False), Q.Q5_0: (5, 32, True),
+         Q.Q5_1: (5, 32, False), Q.Q4_K: (4, 32, False), Q.Q5_K: (5, 32, False), Q.Q6_K: (6, 16, True)}
 
 
 def test_the_reference_dequantizer_on_known_blocks() -> None:
@@ -36,6 +39,7 @@ def test_decoders_match_the_gguf_dequantizer(kind: GGMLQuantizationType) -> None
     ours = decode(torch.from_numpy(raw), kind, 512)
     assert ours.shape == (7, 512) and ours.codes.dtype == torch.uint8 and ours.scale.dtype == torch.float16
     assert int(ours.codes.max()) < 2 ** ours.bits
+    assert (ours.bits, ours.block, symmetric(ours)) == FORMS[kind]
     values = ours.dequantize()
     if kind in EXACT:
         assert torch.equal(values, reference)
@@ -57,8 +61,12 @@ def test_fused_rows_take_the_widest_codes_and_shortest_blocks() -> None:
     q6 = decode(torch.from_numpy(random_blocks(Q.Q6_K, 2, 256, seed=2)), Q.Q6_K, 256)
     q6 = q6.take(slice(None), slice(0, 64))
     fused = concat_rows([q4, q6])
-    assert (fused.bits, fused.block, fused.shape) == (8, 16, (5, 64))
+    assert (fused.bits, fused.block, fused.shape) == (6, 16, (5, 64))
     assert torch.equal(fused.dequantize(), torch.cat([q4.dequantize(), q6.dequantize()]))
+    q8 = decode(torch.from_numpy(random_blocks(Q.Q8_0, 2, 64, seed=3)), Q.Q8_0, 64)
+    assert (concat_rows([q4, q8]).bits, concat_rows([q8, q6]).bits, concat_rows([q4, q4]).bits) == (8, 8, 4)
+    with pytest.raises(ValueError, match="no block form for 4-bit codes in blocks of 16"):
+        q4.widened(4, 16)
 
 
 def test_a_column_shard_must_fall_on_blocks() -> None:
@@ -71,7 +79,7 @@ def test_a_column_shard_must_fall_on_blocks() -> None:
 def test_int8_is_per_channel_within_half_a_step() -> None:
     weight = torch.randn(5, 70) * torch.tensor([0.01, 1.0, 100.0, 0.0, 3.0]).unsqueeze(1)
     codes = quantize_int8(weight)
-    assert (codes.bits, codes.block, codes.shape) == (8, 32, (5, 96))
+    assert (codes.bits, codes.block, codes.shape, symmetric(codes)) == (8, 32, (5, 96), True)
     step = codes.scale[:, :1].float()
     assert torch.equal(step.squeeze(1), (weight.abs().amax(1) / 127).half().float())
     error = (codes.dequantize()[:, :70] - weight).abs()

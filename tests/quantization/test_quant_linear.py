@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from support.ggml_blocks import QUANTIZED, Q, random_blocks
 
 from cadence.quantization import packed
-from cadence.quantization.blocks import BlockCodes, quantize_int8
+from cadence.quantization.blocks import FORMS, BlockCodes, quantize_int8
 from cadence.quantization.ggml import decode
 from cadence.quantization.packed import QuantizedMatrix, dequantize, pack, quantized_linear, unpack_rows
 
@@ -126,13 +126,35 @@ def test_torch_path_dequantizes_per_call(monkeypatch: pytest.MonkeyPatch) -> Non
         assert ((out - x @ reference.T).abs() <= allowed).all(), kind.name
 
 
-def test_pack_keeps_every_value_and_rows_unpack_alone() -> None:
-    torch.manual_seed(4)
-    for bits, block in [(4, 32), (8, 32), (4, 16), (8, 16)]:
-        codes = BlockCodes(torch.randint(0, 2 ** bits, (70, 96), dtype=torch.uint8),
-                           torch.rand(70, 96 // block).half(), torch.randn(70, 96 // block).half(), bits, block)
-        matrix = pack(codes)  # two groups of four 16-row panels, the second mostly zero rows
-        assert matrix.packed.shape == (2, 96 // block, 4, 64 + 16 * block * bits // 8)
-        assert torch.equal(dequantize(matrix), codes.dequantize())
-        rows = torch.tensor([69, 0, 17, 17, 64, 63])
-        assert torch.equal(unpack_rows(matrix, rows, torch.bfloat16), codes.dequantize()[rows].bfloat16())
+def _random_codes(bits: int, block: int, symmetric: bool, rows: int = 70, cols: int = 96) -> BlockCodes:
+    scale = torch.rand(rows, cols // block).half()
+    minimum = (-(1 << (bits - 1)) * scale.float()).half() if symmetric else torch.randn(rows, cols // block).half()
+    return BlockCodes(torch.randint(0, 2 ** bits, (rows, cols), dtype=torch.uint8), scale, minimum, bits, block)
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
+@pytest.mark.parametrize(("bits", "block"), sorted(FORMS))
+def test_pack_keeps_every_value_and_rows_unpack_alone(bits: int, block: int, symmetric: bool) -> None:
+    torch.manual_seed(bits * block)
+    codes = _random_codes(bits, block, symmetric)
+    matrix = pack(codes)  # two groups of four 16-row panels, the second mostly zero rows
+    # per (panel, block): 16 scales, 16 minimums unless symmetric, the codes at their own width
+    assert matrix.symmetric == symmetric
+    assert matrix.packed.shape == (2, 96 // block, 4, (32 if symmetric else 64) + 16 * block * bits // 8)
+    assert torch.equal(dequantize(matrix), codes.dequantize())
+    rows = torch.tensor([69, 0, 17, 17, 64, 63])
+    assert torch.equal(unpack_rows(matrix, rows, torch.bfloat16), codes.dequantize()[rows].bfloat16())
+
+
+@needs_kernel
+@pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
+@pytest.mark.parametrize(("bits", "block"), sorted(FORMS))
+@pytest.mark.parametrize("batch", [1, 6])
+def test_kernel_in_every_layout(bits: int, block: int, symmetric: bool, batch: int) -> None:
+    torch.manual_seed(bits * block + batch)
+    matrix = pack(_random_codes(bits, block, symmetric, rows=200, cols=192))
+    x = torch.randn(batch, 192)
+    ours = dequantize(matrix)
+    documented = _activations_as_quantized(x, block) @ ours.T
+    scale = x.abs() @ ours.abs().T
+    assert ((quantized_linear(x, matrix, None) - documented).abs() <= 1e-5 * scale + 1e-6).all()

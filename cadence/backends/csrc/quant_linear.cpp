@@ -1,12 +1,11 @@
 // Linear layers over quantized weights on x86 CPUs with AVX512-VNNI: y = x @ W.T (+ bias), where
 // W is in the block form of cadence/quantization/blocks.py (value = scale * code + minimum per
-// row and block of 16 or 32 input columns, unsigned 4- or 8-bit codes) packed by
+// row and block of 16 or 32 input columns, unsigned 4-, 5-, 6- or 8-bit codes) packed by
 // cadence/quantization/packed.py: panels of 16 rows, and per (panel, block) the 16 rows' float16
-// scales, their 16 float16 minimums, then the codes in steps of 4 columns, 64 bytes per step,
-// bytes 4j..4j+3 row j's (4-bit codes: step s in the low nibbles, step s + block/8 in the high).
-// Panels go in groups of 4 whose (panel, block) runs interleave block by block, so that a group is
-// one sequential stream.
-//
+// scales, their 16 float16 minimums (none where symmetric), then the codes in steps of 4 columns,
+// 64 bytes per step, bytes 4j..4j+3 row j's (narrower codes in a nibble plane and a plane of high
+// bits: see step_codes). Panels go in groups of 4 whose (panel, block) runs interleave block by
+// block, so that a group is one sequential stream.//
 // The activations are quantized per call, per row and block of the weight, into two int8 parts:
 // x ~ s * (hi + lo / 254) with s = max|x| / 127, hi = round(x / s), lo = round((x - s * hi) * 254 / s)
 // (round half to even), so |x - xq| <= s / 508, about 2^-16 of the block's largest value: llama.cpp's
@@ -33,7 +32,6 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kScaleBytes = 64;
 constexpr int64_t kGroupPanels = 4;
 constexpr int64_t kTileRows = 4;
 constexpr int64_t kRowBlock = 256;
@@ -88,39 +86,58 @@ void quantize_rows(const T* x, int64_t rows, int64_t stride, int64_t cols, int64
   });
 }
 
-// Step s of one (panel, block)'s codes, unpacked to 64 bytes (4-bit codes: steps s and s + Block/8
-// share a vector).
-template <int Bits, int Block>
+// A packed format: Bits-bit codes in blocks of Block columns; Symmetric: no minimums stored, each is
+// -2^(Bits-1) times its scale. Per (panel, block): 16 float16 scales, 16 minimums unless symmetric,
+// the codes (cadence/quantization/packed.py).
+template <int Bits, int Block, bool Symmetric>
+struct Format {
+  static constexpr int kBits = Bits, kBlock = Block, kSteps = Block / 4;
+  static constexpr bool kSymmetric = Symmetric;
+  static constexpr int64_t kHeader = (Symmetric ? 1 : 2) * 2 * kLanes;
+  static constexpr int64_t kBytes = kHeader + kLanes * Block * Bits / 8;
+  static constexpr int64_t kGroupBytes = kGroupPanels * kBytes;  // one block of a whole group
+  // How many blocks of a group ahead of its use a whole-group tile prefetches.
+  static constexpr int64_t kAhead = std::max<int64_t>(1, kPrefetchBytes / kGroupBytes);
+};
+
+// Step s of one (panel, block)'s codes, unpacked to 64 bytes: 8-bit codes as stored; narrower ones
+// from the nibble plane (steps s and s + Block/8 share a vector), their fifth and sixth bits from the
+// high plane after it (a vector per 8 steps of 5-bit codes, bit s % 8 of each byte; per 4 steps of
+// 6-bit ones, bits 2(s % 4) and the next), moved to bits 4-5 with 16-bit shifts that keep each
+// byte's bits in that byte.
+template <typename F>
 inline __m512i step_codes(const uint8_t* codes, int s) {
-  if constexpr (Bits == 8) {
+  if constexpr (F::kBits == 8) {
     return _mm512_loadu_si512(codes + 64 * s);
   } else {
-    constexpr int kHalf = Block / 8;
+    constexpr int kHalf = F::kBlock / 8;
     const __m512i both = _mm512_loadu_si512(codes + 64 * (s % kHalf));
-    return _mm512_and_si512(s < kHalf ? both : _mm512_srli_epi16(both, 4), _mm512_set1_epi8(0x0F));
+    const __m512i low = _mm512_and_si512(s < kHalf ? both : _mm512_srli_epi16(both, 4), _mm512_set1_epi8(0x0F));
+    if constexpr (F::kBits == 4) {
+      return low;
+    } else {
+      constexpr int kHigh = F::kBits - 4, kPer = kHigh == 1 ? 8 : 4;
+      const __m512i plane = _mm512_loadu_si512(codes + 64 * kHalf + 64 * (s / kPer));
+      const int at = (s % kPer) * kHigh;  // where the step's high bits sit in each byte
+      const __m512i moved = at <= 4 ? _mm512_slli_epi16(plane, 4 - at) : _mm512_srli_epi16(plane, at - 4);
+      // low | (moved & mask)
+      return _mm512_ternarylogic_epi32(low, moved, _mm512_set1_epi8(((1 << kHigh) - 1) << 4), 0xF8);
+    }
   }
 }
-
-// One (panel, block)'s bytes: 16 scales, 16 minimums, the codes.
-template <int Bits, int Block>
-constexpr int64_t kBlockBytes = kScaleBytes + kLanes * Block * Bits / 8;
-
-// How many blocks of a group ahead of its use a whole-group tile prefetches.
-template <int Bits, int Block>
-constexpr int64_t kAhead = std::max<int64_t>(1, kPrefetchBytes / (kGroupPanels * kBlockBytes<Bits, Block>));
 
 // U blocks from block b of P adjacent panels of one group (panel points at the first) against rows
 // [r0, r0 + R) of the quantized activations, added into acc: R x P x U independent 32-bit sums per
 // step keep the VPDPBUSD pipes busy (one sum's chain of Block/4 dependent VPDPBUSDs would leave
 // them idle most of the time).
-template <int Bits, int Block, int R, int P, int U>
+template <typename F, int R, int P, int U>
 inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel,
                        int64_t b, const uint8_t* stream_end) {
-  constexpr int kSteps = Block / 4;
-  constexpr int64_t block_bytes = kBlockBytes<Bits, Block>, group_block_bytes = kGroupPanels * block_bytes;
+  constexpr int kSteps = F::kSteps;
+  constexpr int64_t block_bytes = F::kBytes, group_block_bytes = F::kGroupBytes;
   if constexpr (P == kGroupPanels) {  // whole groups: few rows, bound by how fast the weights arrive
     for (int u = 0; u < U; ++u) {
-      const uint8_t* next = panel + (b + u + kAhead<Bits, Block>) * group_block_bytes;
+      const uint8_t* next = panel + (b + u + F::kAhead) * group_block_bytes;
       if (next >= stream_end) break;
       for (int64_t line = 0; line < group_block_bytes; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T1);
@@ -129,7 +146,7 @@ inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, 
   }
   const int32_t* xhi = reinterpret_cast<const int32_t*>(q.hi.get() + r0 * cols);
   const int32_t* xlo = reinterpret_cast<const int32_t*>(q.lo.get() + r0 * cols);
-  const int64_t row_words = cols / 4, row_blocks = cols / Block;
+  const int64_t row_words = cols / 4, row_blocks = cols / F::kBlock;
   __m512i hi[U][R][P], lo[U][R][P];
   for (int u = 0; u < U; ++u) {
     for (int r = 0; r < R; ++r) {
@@ -141,7 +158,7 @@ inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, 
     for (int u = 0; u < U; ++u) {
       __m512i w[P];
       for (int p = 0; p < P; ++p) {
-        w[p] = step_codes<Bits, Block>(panel + p * block_bytes + (b + u) * group_block_bytes + kScaleBytes, s);
+        w[p] = step_codes<F>(panel + p * block_bytes + (b + u) * group_block_bytes + F::kHeader, s);
       }
       for (int r = 0; r < R; ++r) {
         const int64_t at = r * row_words + (b + u) * kSteps + s;
@@ -158,13 +175,19 @@ inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, 
     for (int p = 0; p < P; ++p) {
       const uint8_t* scales = panel + p * block_bytes + (b + u) * group_block_bytes;
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-      const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * row_blocks + b + u;
         // The sums are below 2^24 (8 steps x 4 x 255 x 127): exact as floats.
         const __m512 codes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[u][r][p]), per_lo, _mm512_cvtepi32_ps(hi[u][r][p]));
-        const __m512 dot = _mm512_mul_ps(codes, _mm512_set1_ps(q.scale[at]));
-        acc[r][p] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(q.sum[at]), _mm512_fmadd_ps(dot, scale, acc[r][p]));
+        if constexpr (F::kSymmetric) {  // scale * (codes . xq - 2^(Bits-1) * sum(xq))
+          constexpr float kOffset = 1 << (F::kBits - 1);
+          const __m512 dot = _mm512_fmadd_ps(codes, _mm512_set1_ps(q.scale[at]), _mm512_set1_ps(-kOffset * q.sum[at]));
+          acc[r][p] = _mm512_fmadd_ps(dot, scale, acc[r][p]);
+        } else {
+          const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+          const __m512 dot = _mm512_mul_ps(codes, _mm512_set1_ps(q.scale[at]));
+          acc[r][p] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(q.sum[at]), _mm512_fmadd_ps(dot, scale, acc[r][p]));
+        }
       }
     }
   }
@@ -174,7 +197,7 @@ inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, 
 // output columns, out_cols of them kept). A whole group's tile prefetches the thread's stream of
 // groups ahead, across the group's end up to stream_end (groups of decode layers are a few KiB:
 // stopping at each one's end left its first blocks unfetched, and 25% of the gain).
-template <int Bits, int Block, int R, int P, typename T>
+template <typename F, int R, int P, typename T>
 void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel, int64_t blocks,
           const uint8_t* stream_end, T* out, int64_t out_stride, int64_t out_cols, const T* bias) {
   constexpr int kUnroll = R * P <= 1 ? 4 : R * P <= 2 ? 2 : 1;
@@ -184,9 +207,9 @@ void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel
   }
   int64_t b = 0;
   for (; b + kUnroll <= blocks; b += kUnroll) {
-    add_blocks<Bits, Block, R, P, kUnroll>(acc, q, r0, cols, panel, b, stream_end);
+    add_blocks<F, R, P, kUnroll>(acc, q, r0, cols, panel, b, stream_end);
   }
-  for (; b < blocks; ++b) add_blocks<Bits, Block, R, P, 1>(acc, q, r0, cols, panel, b, stream_end);
+  for (; b < blocks; ++b) add_blocks<F, R, P, 1>(acc, q, r0, cols, panel, b, stream_end);
   for (int p = 0; p < P && 16 * p < out_cols; ++p) {
     const __mmask16 m = cadence::tail_mask(out_cols - 16 * p);
     for (int r = 0; r < R; ++r) {
@@ -196,15 +219,15 @@ void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel
   }
 }
 
-template <int Bits, int Block, typename T>
+template <typename F, typename T>
 void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, int64_t groups, int64_t blocks, T* out,
          int64_t out_features, const T* bias) {
   using Tile = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, int64_t, const uint8_t*, T*, int64_t,
                         int64_t, const T*);
-  constexpr Tile kPairs[kTileRows + 1] = {nullptr, tile<Bits, Block, 1, 2, T>, tile<Bits, Block, 2, 2, T>,
-                                          tile<Bits, Block, 3, 2, T>, tile<Bits, Block, 4, 2, T>};
-  constexpr int64_t block_bytes = kBlockBytes<Bits, Block>;
-  const int64_t group_bytes = blocks * kGroupPanels * block_bytes;
+  constexpr Tile kPairs[kTileRows + 1] = {nullptr, tile<F, 1, 2, T>, tile<F, 2, 2, T>, tile<F, 3, 2, T>,
+                                          tile<F, 4, 2, T>};
+  constexpr int64_t block_bytes = F::kBytes;
+  const int64_t group_bytes = blocks * F::kGroupBytes;
   // A few rows: each row against a whole group at a time (one activation broadcast serves four
   // VPDPBUSDs; measured at one row, 8-40% faster than one panel at a time but for one shape).
   // More rows: up to 4 rows against two panels, twice the independent sums per step.
@@ -228,7 +251,7 @@ void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, i
           const T* tile_bias = bias ? bias + column : nullptr;
           if (whole_groups) {
             for (int64_t r = first; r < last; ++r) {
-              tile<Bits, Block, 1, kGroupPanels, T>(q, r, cols, group, blocks, stream_end,
+              tile<F, 1, kGroupPanels, T>(q, r, cols, group, blocks, stream_end,
                                                     out + r * out_features + column, out_features, out_cols, tile_bias);
             }
           } else {
@@ -244,13 +267,37 @@ void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, i
   });
 }
 
-// x [M, K] float32 or bfloat16, packed uint8 [ceil(N/64), K/block, 4, 64 + 16 * block * bits / 8],
-// bias [N] of x's dtype or None -> [M, N] of x's dtype.
+// run<Format<bits, block, symmetric>, T>(args...) for the formats packed.py makes; false for others.
+template <typename T, typename... Args>
+bool run_format(int64_t bits, int64_t block, bool symmetric, Args&&... args) {
+  const auto as = [&](auto format) {
+    run<decltype(format), T>(args...);
+    return true;
+  };
+  const int64_t form = bits * 100 + block;
+  if (symmetric) {
+    if (form == 432) return as(Format<4, 32, true>{});
+    if (form == 532) return as(Format<5, 32, true>{});
+    if (form == 832) return as(Format<8, 32, true>{});
+    if (form == 616) return as(Format<6, 16, true>{});
+    if (form == 816) return as(Format<8, 16, true>{});
+  } else {
+    if (form == 432) return as(Format<4, 32, false>{});
+    if (form == 532) return as(Format<5, 32, false>{});
+    if (form == 832) return as(Format<8, 32, false>{});
+    if (form == 616) return as(Format<6, 16, false>{});
+    if (form == 816) return as(Format<8, 16, false>{});
+  }
+  return false;
+}
+
+// x [M, K] float32 or bfloat16, packed uint8 [ceil(N/64), K/block, 4, bytes] (bytes: 32 or 64 +
+// 16 * block * bits / 8), bias [N] of x's dtype or None -> [M, N] of x's dtype.
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                        int64_t out_features, int64_t bits, int64_t block) {
-  TORCH_CHECK((bits == 4 || bits == 8) && (block == 16 || block == 32), "quant_linear: no kernel for ", bits,
-              "-bit codes in blocks of ", block);
-  const int64_t block_bytes = kScaleBytes + kLanes * block * bits / 8;
+                        int64_t out_features, int64_t bits, int64_t block, bool symmetric) {
+  TORCH_CHECK((bits == 4 || bits == 5 || bits == 6 || bits == 8) && (block == 16 || block == 32),
+              "quant_linear: no kernel for ", bits, "-bit codes in blocks of ", block);
+  const int64_t block_bytes = (symmetric ? 1 : 2) * 2 * kLanes + kLanes * block * bits / 8;
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == kGroupPanels && packed.size(3) == block_bytes &&
                   packed.size(0) == (out_features + kGroupPanels * kLanes - 1) / (kGroupPanels * kLanes),
@@ -270,10 +317,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
     const uint8_t* w = packed.data_ptr<uint8_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* b = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    if (bits == 4 && block == 32) run<4, 32>(q, rows, cols, w, groups, blocks, o, out_features, b);
-    if (bits == 8 && block == 32) run<8, 32>(q, rows, cols, w, groups, blocks, o, out_features, b);
-    if (bits == 4 && block == 16) run<4, 16>(q, rows, cols, w, groups, blocks, o, out_features, b);
-    if (bits == 8 && block == 16) run<8, 16>(q, rows, cols, w, groups, blocks, o, out_features, b);
+    const bool ran = run_format<scalar_t>(bits, block, symmetric, q, rows, cols, w, groups, blocks, o, out_features, b);
+    TORCH_CHECK(ran, "quant_linear: no kernel for ", bits, "-bit codes in blocks of ", block);
   });
   return out;
 }
@@ -282,7 +327,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
 
 TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
   m.def("quant_linear_supported() -> bool", quant_linear_supported);  // no tensors: callable on any dispatch key
-  m.def("quant_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int bits, int block) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int bits, int block, bool symmetric) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) { m.impl("quant_linear", quant_linear); }
