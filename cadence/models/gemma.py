@@ -49,8 +49,8 @@ class GemmaAttention(Attention):
         bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config, backend, bias, bias, group, rotary, dtype, device)
         if qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
-            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, rotary.fused)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, rotary.fused)
             self._qk_norm = (self.q_norm, self.k_norm)
 
 
@@ -63,10 +63,10 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = attention
         self.mlp = MLP(config, group, dtype, device, fused, hidden_act=config.hidden_activation)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps, dtype, device)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype, device)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype, device)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype, device)
+        self.input_layernorm = GemmaRMSNorm(size, eps, dtype, device, fused)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype, device, fused)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype, device, fused)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype, device, fused)
 
     def forward(self, h: torch.Tensor, rope: StepRope, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: object) -> torch.Tensor:
@@ -76,11 +76,11 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, layers: list[GemmaDecoderLayer], group: ParallelGroup,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, fused: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group, dtype, device)
         self.layers = nn.ModuleList(layers)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused)
 
 
 class Gemma2ForCausalLM(CausalLM):
@@ -112,7 +112,7 @@ class Gemma2ForCausalLM(CausalLM):
                               group, dtype, device, fused)
             for i in range(self.num_layers)
         ]
-        self.model = GemmaModel(hf_config, layers, group, dtype, device)
+        self.model = GemmaModel(hf_config, layers, group, dtype, device, fused)
         # transformers rounds the factor to the model dtype before multiplying.
         self.register_buffer("embed_scale", torch.tensor(hf_config.hidden_size ** 0.5, dtype=dtype, device=device),
                              persistent=False)

@@ -146,17 +146,32 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm, exactly as ``Gemma3RMSNorm`` (and Gemma 2's): normalised and scaled by
     ``1 + weight`` in fp32, cast back last (Llama casts before its weight). Checkpoints hold the
-    weight as an offset from one (zeros initialised)."""
+    weight as an offset from one (zeros initialised). ``fused``: one C++ kernel
+    (``backends/csrc/layer_ops.cpp``) with the fp32 scale worked out once per version of the weight
+    (the torch path's six ops, times six norms a layer, took 3 ms of Gemma 3 270M's 20 ms decode step)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str,
+                 fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
         self.eps = eps
+        self.fused = fused
+        self._scale: tuple[int, torch.Tensor] | None = None  # (the weight's version, 1 + weight in fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            out = torch.empty_like(x)
+            kernels().scaled_rms_norm(out, x, self._fp32_scale(), self.eps)
+            return out
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def _fp32_scale(self) -> torch.Tensor:
+        version = self.weight._version  # bumped by every in-place write, loading included
+        if self._scale is None or self._scale[0] != version:
+            self._scale = (version, 1.0 + self.weight.detach().float())
+        return self._scale[1]
 
 
 @dataclass(frozen=True)

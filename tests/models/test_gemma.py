@@ -9,6 +9,7 @@ import torch
 from support.tiny_models import tiny_config
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
+from cadence.backends.cpu_kernels import cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend
 from cadence.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from cadence.models.layers import GemmaRMSNorm
@@ -44,3 +45,19 @@ def test_gemma_rms_norm_is_transformers_bit_for_bit(dtype: torch.dtype) -> None:
         theirs.weight.copy_(ours.weight)
     x = torch.randn(5, 48).to(dtype) * 3
     assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="the C++ CPU kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gemma_rms_norm_follows_transformers_and_its_weight(dtype: torch.dtype) -> None:
+    ours, theirs = GemmaRMSNorm(640, 1e-6, dtype, "cpu", fused=True), Gemma3RMSNorm(640, eps=1e-6).to(dtype)
+    x = torch.randn(7, 640).to(dtype) * 3
+    for _ in range(2):  # a new weight after the first call: the kernel's fp32 scale follows it
+        with torch.no_grad():
+            ours.weight.normal_(0, 0.5)
+            theirs.weight.copy_(ours.weight)
+        got, want = ours(x), theirs(x)
+        # one cast at the end, as transformers; only the sum of squares' order differs (a few fp32
+        # ulps of a row's scale, at most one bf16 ulp after the cast)
+        ulp = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -21
+        assert ((got.float() - want.float()).abs() <= ulp * want.float().abs()).all()

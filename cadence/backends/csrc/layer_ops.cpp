@@ -21,15 +21,21 @@ using namespace cadence;
 // Rows per task: enough elements that a thread's share outweighs waking it.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
-// out = weight * T(x * rsqrt(mean(x^2) + eps)), all in fp32 until the casts (LlamaRMSNorm).
+// rsqrt(mean(x^2) + eps) of a row of n, in fp32, broadcast.
 template <typename T>
-void norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
+__m512 inverse_rms(const T* x, int64_t n, float eps) {
   __m512 squares = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 v = load16(x + i, tail_mask(n - i));
     squares = _mm512_fmadd_ps(v, v, squares);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + eps));
+  return _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + eps));
+}
+
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), all in fp32 until the casts (LlamaRMSNorm).
+template <typename T>
+void norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
+  const __m512 inv = inverse_rms(x, n, eps);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
     const __m512 normed = round_to<T>(_mm512_mul_ps(load16(x + i, m), inv));
@@ -55,6 +61,31 @@ void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
     const scalar_t* w = weight.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) norm_row(o + r * out.stride(0), in + r * x.stride(0), w, n, static_cast<float>(eps));
+    });
+  });
+}
+
+// out = T(x * rsqrt(mean(x^2) + eps) * scale) with an fp32 scale, cast once at the end: Gemma's RMSNorm
+// (Gemma3RMSNorm, whose scale is 1 + weight). x and out are [tokens, n].
+void scaled_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& scale, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_rows(x, n, "scaled_rms_norm x");
+  check_rows(out, n, "scaled_rms_norm out");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == n && scale.scalar_type() == at::kFloat &&
+              out.scalar_type() == x.scalar_type(), "scaled_rms_norm: scale must be dense float32 of x's width");
+  CADENCE_DISPATCH_FLOAT(x.scalar_type(), "scaled_rms_norm", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const float* w = scale.data_ptr<float>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = in + r * x.stride(0);
+        const __m512 inv = inverse_rms(row, n, static_cast<float>(eps));
+        for (int64_t i = 0; i < n; i += 16) {
+          const __mmask16 m = tail_mask(n - i);
+          store16(o + r * out.stride(0) + i, _mm512_mul_ps(_mm512_mul_ps(load16(row + i, m), inv), load16(w + i, m)), m);
+        }
+      }
     });
   });
 }
@@ -156,6 +187,7 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at
 
 TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("scaled_rms_norm(Tensor(a!) out, Tensor x, Tensor scale, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
@@ -163,6 +195,7 @@ TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
 
 TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
+  m.impl("scaled_rms_norm", scaled_rms_norm);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("rotary_embedding", rotary_embedding);
