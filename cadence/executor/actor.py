@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
 from cadence.executor.base import Executor, WorkerError
 from cadence.messages import ExecutorFailed, SchedulerOutput
@@ -55,9 +54,8 @@ class ExecutorActor(Actor[SchedulerOutput]):
         async with self.inbox:
             async for step in self.inbox:
                 try:
-                    # Abandoned, not awaited, when the run is cancelled: a step that never ends (the
-                    # watchdog's case) must not hold the engine's shutdown.
-                    result = await anyio.to_thread.run_sync(self.executor.execute_model, step, abandon_on_cancel=True)
+                    # Abandoned, not awaited, when the run is cancelled (Executor.run_step).
+                    result = await self.executor.run_step(step)
                 except Exception as exc:
                     await self.reply_to.send(ExecutorFailed(step.step_id, f"{type(exc).__name__}: {exc}"))
                     raise
