@@ -29,8 +29,15 @@ from torch import nn
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.distributed.group import ParallelGroup
 from cadence.distributed.partition import Split
-from cadence.quantization.blocks import BlockCodes, concat_rows, quantize_int8
-from cadence.quantization.packed import QuantizedMatrix, pack, quantized_linear, unpack_rows
+from cadence.quantization.blocks import BlockCodes, quantize_int8
+from cadence.quantization.packed import (
+    QuantizedMatrix,
+    QuantizedRowStack,
+    pack,
+    pack_rows,
+    quantized_linear,
+    unpack_rows,
+)
 
 
 class CheckpointTensor(Protocol):
@@ -220,13 +227,13 @@ class VocabParallelEmbedding(ShardedLayer):
             _copy(self.weight[:self.rows.size], tensor, expected, self.rows.indices)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix | QuantizedRowStack, bias: torch.Tensor | None,
            out_features: int) -> torch.Tensor:
     """``F.linear``, or a GEMM on a weight that :func:`pack_weights` prepacked or quantized.
 
     ``out_features`` is the weight's row count, which cadence's panel layout (a 4-D weight) pads.
     """
-    if isinstance(weight, QuantizedMatrix):
+    if isinstance(weight, QuantizedMatrix | QuantizedRowStack):
         return quantized_linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -265,7 +272,9 @@ def pack_weights(model: nn.Module, int8: bool = False) -> None:
             # No longer a Parameter: linear() and the embedding's lookup read the packed blocks.
             device = module.weight.device
             del module.weight
-            setattr(module, "weight", replace(quantized, packed=quantized.packed.to(device)))  # noqa: B010
+            moved = quantized.to(device) if isinstance(quantized, QuantizedRowStack) else replace(
+                quantized, packed=quantized.packed.to(device))
+            setattr(module, "weight", moved)  # noqa: B010
             continue
         if not _packable(module.weight):
             continue
@@ -276,7 +285,7 @@ def pack_weights(model: nn.Module, int8: bool = False) -> None:
 
 
 def _quantized(module: ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding,
-               int8: bool) -> QuantizedMatrix | None:
+               int8: bool) -> QuantizedMatrix | QuantizedRowStack | None:
     """The module's weight packed quantized: its staged blocks, or with ``int8`` its float weight
     quantized (linear layers only); None where it stays a float weight."""
     staged = getattr(module, "staged", {})
@@ -287,10 +296,10 @@ def _quantized(module: ColumnParallelLinear | RowParallelLinear | VocabParallelE
                 module.weight[module._offsets[shard]:module._offsets[shard + 1]] = codes.dequantize(module.weight.dtype)
         staged.clear()
     if staged:
-        codes = concat_rows([staged.pop(shard) for shard in range(module.num_shards)])
-        if isinstance(module, VocabParallelEmbedding) and codes.shape[0] < module.per_rank:
-            codes = _zero_rows(codes, module.per_rank)
-        return pack(codes)
+        parts = [staged.pop(shard) for shard in range(module.num_shards)]
+        if isinstance(module, VocabParallelEmbedding) and parts[0].shape[0] < module.per_rank:
+            return pack(_zero_rows(parts[0], module.per_rank))  # one part: the vocabulary
+        return pack_rows(parts)
     if int8 and isinstance(module, ColumnParallelLinear | RowParallelLinear):
         return pack(quantize_int8(module.weight.detach()), cols=module.weight.shape[1])
     return None

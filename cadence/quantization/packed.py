@@ -19,14 +19,14 @@ call (per 256 rows of activations).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from cadence.backends.cpu_kernels import cpu_ops, runs_kernels
-from cadence.quantization.blocks import BlockCodes, symmetric
+from cadence.quantization.blocks import BlockCodes, concat_rows, symmetric
 
 LANES = 16
 _GROUP_PANELS = 4
@@ -50,6 +50,40 @@ class QuantizedMatrix:
     @functools.cached_property
     def padded_cols(self) -> int:
         return self.packed.shape[1] * self.block
+
+
+@dataclass(frozen=True)
+class QuantizedRowStack:
+    """A fused weight (q/k/v, gate/up) whose parts came in different formats, kept as matrices of
+    their own stacked along the output rows: each part at its file's size, where one matrix would
+    take the widest codes and shortest blocks of all (a Q4_K_M file's Q4_K q/k and Q6_K v: 8 bits
+    per weight for all three). One kernel call per matrix."""
+
+    parts: tuple[QuantizedMatrix, ...]
+
+    @functools.cached_property
+    def rows(self) -> int:
+        return sum(part.rows for part in self.parts)
+
+    def to(self, device: torch.device) -> QuantizedRowStack:
+        return QuantizedRowStack(tuple(replace(part, packed=part.packed.to(device)) for part in self.parts))
+
+
+def pack_rows(parts: list[BlockCodes]) -> QuantizedMatrix | QuantizedRowStack:
+    """Row blocks stacked (a fused weight): one matrix where their formats match, else one per run
+    of parts in the same format."""
+    runs: list[list[BlockCodes]] = []
+    for part in parts:
+        if runs and _form(runs[-1][0]) == _form(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    matrices = tuple(pack(concat_rows(run)) for run in runs)
+    return matrices[0] if len(matrices) == 1 else QuantizedRowStack(matrices)
+
+
+def _form(codes: BlockCodes) -> tuple[int, int, bool]:
+    return codes.bits, codes.block, symmetric(codes)
 
 
 def _steps_per_high_vector(bits: int) -> int:
@@ -134,10 +168,14 @@ def kernel_runs(x: torch.Tensor) -> bool:
     return runs_kernels(x.device, x.dtype) and _kernel() is not None
 
 
-def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix | QuantizedRowStack,
+                     bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[..., cols]``: the kernel (activations quantized to int8 per
     block, as llama.cpp does; docs/quantization.md), or the weight dequantized to ``x``'s dtype and
     ``F.linear``."""
+    if isinstance(matrix, QuantizedRowStack):
+        biases = [None] * len(matrix.parts) if bias is None else bias.split([p.rows for p in matrix.parts])
+        return torch.cat([quantized_linear(x, part, b) for part, b in zip(matrix.parts, biases, strict=True)], dim=-1)
     if not kernel_runs(x):
         return F.linear(x, dequantize(matrix, x.dtype), bias)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

@@ -83,8 +83,8 @@ def test_a_tiny_gguf_of_each_type_generates_its_dequantized_twins_tokens(
     assert _greedy(quantized, TINY_PROMPTS, 24) == _greedy(twin, TINY_PROMPTS, 24)
     linears = [m for m in quantized.engine_core.executor.worker.runner.model.modules() if hasattr(m, "weight")
                and type(m).__name__.endswith("ParallelLinear")]
-    kept = sum(type(m.weight).__name__ == "QuantizedMatrix" for m in linears)
-    # a fused q/k/v or gate/up with one float part is kept as floats
+    kept = sum(type(m.weight).__name__ in ("QuantizedMatrix", "QuantizedRowStack") for m in linears)
+    # a fused q/k/v or gate/up with one float part is kept as floats; parts of different types as a stack
     assert kept == len(linears) if Q.F32 not in kinds else 0 < kept < len(linears)
 
 

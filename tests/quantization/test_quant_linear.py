@@ -15,7 +15,15 @@ from support.ggml_blocks import QUANTIZED, Q, random_blocks
 from cadence.quantization import packed
 from cadence.quantization.blocks import FORMS, BlockCodes, quantize_int8
 from cadence.quantization.ggml import decode
-from cadence.quantization.packed import QuantizedMatrix, dequantize, pack, quantized_linear, unpack_rows
+from cadence.quantization.packed import (
+    QuantizedMatrix,
+    QuantizedRowStack,
+    dequantize,
+    pack,
+    pack_rows,
+    quantized_linear,
+    unpack_rows,
+)
 
 needs_kernel = pytest.mark.skipif(not packed.kernel_runs(torch.zeros(1)), reason="the kernel needs AVX512-VNNI")
 
@@ -158,3 +166,20 @@ def test_kernel_in_every_layout(bits: int, block: int, symmetric: bool, batch: i
     documented = _activations_as_quantized(x, block) @ ours.T
     scale = x.abs() @ ours.abs().T
     assert ((quantized_linear(x, matrix, None) - documented).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+def test_fused_parts_of_different_formats_stay_in_their_own_layouts() -> None:
+    torch.manual_seed(5)
+    q4 = [decode(torch.from_numpy(random_blocks(Q.Q4_K, 70, 256, seed=s)), Q.Q4_K, 256) for s in (1, 2)]
+    q6 = decode(torch.from_numpy(random_blocks(Q.Q6_K, 30, 256, seed=3)), Q.Q6_K, 256)
+    stack = pack_rows([*q4, q6])  # q and k in Q4_K, v in Q6_K
+    assert isinstance(stack, QuantizedRowStack) and stack.rows == 170
+    assert [(m.rows, m.bits, m.block, m.symmetric) for m in stack.parts] == [(140, 4, 32, False), (30, 6, 16, True)]
+    same = pack_rows(q4)
+    assert isinstance(same, QuantizedMatrix) and same.rows == 140
+    weight = torch.cat([c.dequantize() for c in (*q4, q6)])
+    x, bias = torch.randn(3, 256), torch.randn(170)
+    out = quantized_linear(x, stack, bias)
+    parts = [quantized_linear(x, m, b) for m, b in zip(stack.parts, bias.split([140, 30]), strict=True)]
+    assert out.shape == (3, 170) and torch.equal(out, torch.cat(parts, dim=-1))
+    assert torch.allclose(out, x @ weight.T + bias, rtol=1e-4, atol=1e-4 * float((x.abs() @ weight.abs().T).max()))
