@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
@@ -272,9 +271,7 @@ def pack_weights(model: nn.Module, int8: bool = False) -> None:
             # No longer a Parameter: linear() and the embedding's lookup read the packed blocks.
             device = module.weight.device
             del module.weight
-            moved = quantized.to(device) if isinstance(quantized, QuantizedRowStack) else replace(
-                quantized, packed=quantized.packed.to(device))
-            setattr(module, "weight", moved)  # noqa: B010
+            setattr(module, "weight", quantized.to(device))  # noqa: B010
             continue
         if not _packable(module.weight):
             continue

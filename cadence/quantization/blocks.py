@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-# (bits, block) pairs the kernel has layouts for: what the GGML formats decode to (Q6_K: 6 in 16),
-# and what fusing them gives (the widest codes in the shortest blocks: 6 or 8 bits in blocks of 16).
+# (bits, block) pairs the kernel has layouts for: what the GGML formats decode to (Q6_K: 6 in 16), and
+# int8 in either block.
 FORMS = frozenset({(4, 32), (5, 32), (8, 32), (6, 16), (8, 16)})
 
 
@@ -57,14 +57,6 @@ class BlockCodes:
         return BlockCodes(self.codes[rows][:, start:stop], self.scale[rows][:, blocks], self.minimum[rows][:, blocks],
                           self.bits, self.block)
 
-    def widened(self, bits: int, block: int) -> BlockCodes:
-        """The same values with codes of ``bits`` and blocks of ``block``: no wider, no longer than asked."""
-        if bits < self.bits or block > self.block:
-            raise ValueError(f"cannot narrow {self.bits}-bit codes in blocks of {self.block} to {bits} in {block}")
-        repeat = self.block // block
-        return BlockCodes(self.codes, self.scale.repeat_interleave(repeat, 1),
-                          self.minimum.repeat_interleave(repeat, 1), bits, block)
-
 
 def symmetric(codes: BlockCodes) -> bool:
     """Whether every minimum is ``-2**(bits-1) * scale`` (exact in float16: a power of two times it)."""
@@ -73,13 +65,17 @@ def symmetric(codes: BlockCodes) -> bool:
 
 
 def concat_rows(parts: list[BlockCodes]) -> BlockCodes:
-    """Row blocks stacked (a fused q/k/v or gate/up weight), in the widest codes and shortest blocks
-    (at least 6 bits in blocks of 16)."""
-    bits, block = max(p.bits for p in parts), min(p.block for p in parts)
-    bits = max(bits, 6) if block == 16 else bits
-    same = [p.widened(bits, block) for p in parts]
-    return BlockCodes(torch.cat([p.codes for p in same]), torch.cat([p.scale for p in same]),
-                      torch.cat([p.minimum for p in same]), bits, block)
+    """Row blocks of one format stacked (a fused q/k/v or gate/up weight; parts in different formats
+    stay apart: :func:`cadence.quantization.packed.pack_rows`).
+
+    :raises ValueError: the parts' codes or blocks differ.
+    """
+    forms = {(p.bits, p.block) for p in parts}
+    if len(forms) != 1:
+        raise ValueError(f"cannot stack blocks of different forms {sorted(forms)} into one")
+    bits, block = forms.pop()
+    return BlockCodes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                      torch.cat([p.minimum for p in parts]), bits, block)
 
 
 def quantize_int8(weight: torch.Tensor, block: int = 32) -> BlockCodes:

@@ -51,6 +51,9 @@ class QuantizedMatrix:
     def padded_cols(self) -> int:
         return self.packed.shape[1] * self.block
 
+    def to(self, device: torch.device) -> QuantizedMatrix:
+        return replace(self, packed=self.packed.to(device))
+
 
 @dataclass(frozen=True)
 class QuantizedRowStack:
@@ -66,7 +69,7 @@ class QuantizedRowStack:
         return sum(part.rows for part in self.parts)
 
     def to(self, device: torch.device) -> QuantizedRowStack:
-        return QuantizedRowStack(tuple(replace(part, packed=part.packed.to(device)) for part in self.parts))
+        return QuantizedRowStack(tuple(part.to(device) for part in self.parts))
 
 
 def pack_rows(parts: list[BlockCodes]) -> QuantizedMatrix | QuantizedRowStack:

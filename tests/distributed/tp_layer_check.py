@@ -77,7 +77,8 @@ def check_quantized_layers(rank: int, world_size: int, init_method: str) -> None
         return quantize_int8(torch.randn(rows, cols, generator=gen))
 
     hidden, vocab = 64, 13
-    gate, up, down, table = codes(96, hidden), codes(96, hidden), codes(hidden, 96), codes(vocab, hidden)
+    gate, up, table = codes(96, hidden), codes(96, hidden), codes(vocab, hidden)
+    down = quantize_int8(torch.randn(hidden, 96, generator=gen), block=16)  # 48 columns a rank: blocks of 16
     x, ids = torch.randn(5, hidden, generator=gen), torch.tensor([0, 5, 6, 7, 12, 3])
     part = even_split(96, rank, world_size)  # 48 each
     whole = [even_split(96, 0, 1)] * 2
@@ -87,7 +88,7 @@ def check_quantized_layers(rank: int, world_size: int, init_method: str) -> None
         layer.load("weight", Blocks(gate), 0)
         layer.load("weight", Blocks(up), 1)
     row = RowParallelLinear(part, hidden, False, group, torch.float32, "cpu")
-    row.load("weight", Blocks(down.widened(8, 16)), 0)  # 48 columns: blocks of 16
+    row.load("weight", Blocks(down), 0)
     embed = VocabParallelEmbedding(vocab, hidden, group, torch.float32, "cpu")
     embed.load("weight", Blocks(table), 0)
     for layer in (single, fused, row, embed):

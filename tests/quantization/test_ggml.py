@@ -56,17 +56,15 @@ def test_a_row_of_partial_blocks_is_refused() -> None:
         decode(torch.zeros(2, 84, dtype=torch.uint8), Q.Q2_K, 256)
 
 
-def test_fused_rows_take_the_widest_codes_and_shortest_blocks() -> None:
+def test_fused_rows_stack_within_one_format_only() -> None:
     q4 = decode(torch.from_numpy(random_blocks(Q.Q4_1, 3, 64, seed=1)), Q.Q4_1, 64)
     q6 = decode(torch.from_numpy(random_blocks(Q.Q6_K, 2, 256, seed=2)), Q.Q6_K, 256)
     q6 = q6.take(slice(None), slice(0, 64))
-    fused = concat_rows([q4, q6])
-    assert (fused.bits, fused.block, fused.shape) == (6, 16, (5, 64))
-    assert torch.equal(fused.dequantize(), torch.cat([q4.dequantize(), q6.dequantize()]))
-    q8 = decode(torch.from_numpy(random_blocks(Q.Q8_0, 2, 64, seed=3)), Q.Q8_0, 64)
-    assert (concat_rows([q4, q8]).bits, concat_rows([q8, q6]).bits, concat_rows([q4, q4]).bits) == (8, 8, 4)
-    with pytest.raises(ValueError, match="no block form for 4-bit codes in blocks of 16"):
-        q4.widened(4, 16)
+    fused = concat_rows([q4, q4])
+    assert (fused.bits, fused.block, fused.shape) == (4, 32, (6, 64))
+    assert torch.equal(fused.dequantize(), torch.cat([q4.dequantize(), q4.dequantize()]))
+    with pytest.raises(ValueError, match=r"cannot stack blocks of different forms \[\(4, 32\), \(6, 16\)\]"):
+        concat_rows([q4, q6])
 
 
 def test_a_column_shard_must_fall_on_blocks() -> None:

@@ -83,7 +83,8 @@ void scaled_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tenso
         const __m512 inv = inverse_rms(row, n, static_cast<float>(eps));
         for (int64_t i = 0; i < n; i += 16) {
           const __mmask16 m = tail_mask(n - i);
-          store16(o + r * out.stride(0) + i, _mm512_mul_ps(_mm512_mul_ps(load16(row + i, m), inv), load16(w + i, m)), m);
+          const __m512 normed = _mm512_mul_ps(load16(row + i, m), inv);
+          store16(o + r * out.stride(0) + i, _mm512_mul_ps(normed, load16(w + i, m)), m);
         }
       }
     });

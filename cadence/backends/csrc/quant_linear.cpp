@@ -5,7 +5,8 @@
 // scales, their 16 float16 minimums (none where symmetric), then the codes in steps of 4 columns,
 // 64 bytes per step, bytes 4j..4j+3 row j's (narrower codes in a nibble plane and a plane of high
 // bits: see step_codes). Panels go in groups of 4 whose (panel, block) runs interleave block by
-// block, so that a group is one sequential stream.//
+// block, so that a group is one sequential stream.
+//
 // The activations are quantized per call, per row and block of the weight, into two int8 parts:
 // x ~ s * (hi + lo / 254) with s = max|x| / 127, hi = round(x / s), lo = round((x - s * hi) * 254 / s)
 // (round half to even), so |x - xq| <= s / 508, about 2^-16 of the block's largest value: llama.cpp's
@@ -239,7 +240,8 @@ void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, i
       const uint8_t* stream_end = w + end * group_bytes;
       // The tiles prefetch kPrefetchBytes ahead of themselves: the first ones are fetched here.
       const uint8_t* start = w + begin * group_bytes;
-      for (const uint8_t* line = start; whole_groups && line < std::min(stream_end, start + kPrefetchBytes); line += 64) {
+      const uint8_t* head_end = std::min(stream_end, start + kPrefetchBytes);
+      for (const uint8_t* line = start; whole_groups && line < head_end; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
       }
       for (int64_t g = begin; g < end; ++g) {
@@ -251,8 +253,8 @@ void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, i
           const T* tile_bias = bias ? bias + column : nullptr;
           if (whole_groups) {
             for (int64_t r = first; r < last; ++r) {
-              tile<F, 1, kGroupPanels, T>(q, r, cols, group, blocks, stream_end,
-                                                    out + r * out_features + column, out_features, out_cols, tile_bias);
+              tile<F, 1, kGroupPanels, T>(q, r, cols, group, blocks, stream_end, out + r * out_features + column,
+                                          out_features, out_cols, tile_bias);
             }
           } else {
             for (int64_t r = first; r < last; r += kTileRows) {
