@@ -118,7 +118,8 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
 
 class _TimingExecutor:
     """Stands in for the engine's executor (any of them): times each step and tracks its shape (the
-    executor actor calls it from a thread, one step at a time)."""
+    executor actor awaits its ``run_step``, one step at a time; the time includes the hand-off to
+    the executor's thread and back, as the engine's step loop sees it)."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
@@ -126,10 +127,10 @@ class _TimingExecutor:
         self.steps: list[TimedStep] = []
         self.phase = 0
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    async def run_step(self, out: SchedulerOutput) -> ModelRunnerOutput:
         shape, _ = self.tracker.step(out)
         start = time.perf_counter()
-        result = self.executor.execute_model(out)
+        result = await self.executor.run_step(out)
         self.steps.append(TimedStep(self.phase, start, time.perf_counter(), shape))
         return result
 
