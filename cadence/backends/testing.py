@@ -172,3 +172,16 @@ def naive_reference(batch: PagedBatch, scale: float, sliding_window: int | None 
                     scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
                 out[token, head] = torch.softmax(scores, dim=0) @ values[:, head // group]
     return out
+
+
+def output_and_definition(backend: AttentionBackend, batch: PagedBatch,
+                          metadata: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``backend``'s output on ``batch`` (through ``metadata`` built by another layer's backend, if
+    given) and the contract's definition of it (:func:`naive_reference` with the backend's scale,
+    window and soft cap), in the output's dtype."""
+    if metadata is None:
+        out = run_backend(backend, batch)[0]
+    else:
+        out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache.clone(), batch.v_cache.clone(), metadata)
+    ref = naive_reference(batch, backend.scale, backend.sliding_window, backend.logits_soft_cap)
+    return out, ref.to(out.dtype)

@@ -17,7 +17,13 @@ import torch
 from cadence import LLM
 from cadence.backends.flash_attn_backend import FlashAttnBackend
 from cadence.backends.registry import load_backend
-from cadence.backends.testing import PagedBatch, naive_reference, random_paged_batch, run_backend, sdpa_reference
+from cadence.backends.testing import (
+    PagedBatch,
+    output_and_definition,
+    random_paged_batch,
+    run_backend,
+    sdpa_reference,
+)
 
 CPU = torch.device("cpu")
 _REQUESTS = [(0, 7), (19, 1), (300, 5), (40, 1), (3, 12)]  # fresh, decodes, prefills over prefixes
@@ -116,13 +122,7 @@ def _install_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 
 def _check_against_definition(backend: FlashAttnBackend, batch: PagedBatch, metadata: object = None) -> None:
-    """``backend`` on ``batch`` (with ``metadata`` built by another layer's backend, if given)."""
-    if metadata is None:
-        out = run_backend(backend, batch)[0]
-    else:
-        out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache.clone(), batch.v_cache.clone(), metadata)
-    ref = naive_reference(batch, backend.scale, backend.sliding_window, backend.logits_soft_cap)
-    torch.testing.assert_close(out, ref.to(out.dtype), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(*output_and_definition(backend, batch, metadata), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("block_size", [16, 256], ids=["gathered", "paged"])

@@ -31,7 +31,13 @@ from hypothesis import strategies as st
 from cadence import LLM, SamplingParams
 from cadence.backends import triton_kernels
 from cadence.backends.registry import load_backend
-from cadence.backends.testing import PagedBatch, naive_reference, random_paged_batch, run_backend, sdpa_reference
+from cadence.backends.testing import (
+    PagedBatch,
+    output_and_definition,
+    random_paged_batch,
+    run_backend,
+    sdpa_reference,
+)
 from cadence.backends.triton_backend import TritonBackend
 from cadence.backends.triton_kernels.scores import soft_cap
 
@@ -129,13 +135,7 @@ def _windowed(batch: PagedBatch, window: int | None = None, cap: float | None = 
 
 
 def _check_against_definition(backend: TritonBackend, batch: PagedBatch, metadata: object = None) -> None:
-    """``backend`` on ``batch`` (with ``metadata`` built by another layer's backend, if given)."""
-    if metadata is None:
-        out = run_backend(backend, batch)[0]
-    else:
-        out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache.clone(), batch.v_cache.clone(), metadata)
-    ref = naive_reference(batch, backend.scale, backend.sliding_window, backend.logits_soft_cap)
-    _assert_close(out, ref.to(batch.q.dtype))
+    _assert_close(*output_and_definition(backend, batch, metadata))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
