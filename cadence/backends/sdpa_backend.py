@@ -163,11 +163,12 @@ class SDPABackend(AttentionBackend):
         decode_seq_lens = [seq_lens[i] for i in decodes]
         # In numpy: a dozen torch ops on these few numbers cost a decode step of one request about
         # 0.2 ms (docs/benchmarks.md, "One user's decode").
-        counts = np.diff(layout.query_start_loc.numpy()).astype(np.int64)
+        counts = np.asarray(query_lens, dtype=np.int64)
         token_requests = np.repeat(np.arange(len(query_lens)), counts)
-        # a token's position + 1: its request's context before the step, plus its index in the step
-        starts = np.repeat(np.asarray(query_start[:-1]), counts)
-        token_seq_lens = (layout.seq_lens.numpy() - counts)[token_requests] + np.arange(layout.num_tokens) - starts + 1
+        # a token's position + 1: its request's context before the step, plus its index in the step,
+        # which is the token's row less the request's first row
+        row_to_position = layout.seq_lens.numpy() - counts - np.asarray(query_start[:-1], dtype=np.int64)
+        token_seq_lens = np.repeat(row_to_position, counts) + np.arange(layout.num_tokens) + 1
         return SDPAMetadata(
             slot_mapping=layout.slot_mapping.to(device=device, dtype=torch.int64),
             block_table=layout.block_table.to(device=device, dtype=torch.int64),

@@ -19,6 +19,7 @@ call (per 256 rows of activations).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -75,13 +76,7 @@ class QuantizedRowStack:
 def pack_rows(parts: list[BlockCodes]) -> QuantizedMatrix | QuantizedRowStack:
     """Row blocks stacked (a fused weight): one matrix where their formats match, else one per run
     of parts in the same format."""
-    runs: list[list[BlockCodes]] = []
-    for part in parts:
-        if runs and _form(runs[-1][0]) == _form(part):
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-    matrices = tuple(pack(concat_rows(run)) for run in runs)
+    matrices = tuple(pack(concat_rows(list(run))) for _, run in itertools.groupby(parts, key=_form))
     return matrices[0] if len(matrices) == 1 else QuantizedRowStack(matrices)
 
 
