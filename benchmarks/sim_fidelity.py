@@ -21,9 +21,9 @@ import sys
 import time
 
 from cadence.bench.metrics import compute_metrics
+from cadence.core.cost_model import CostModel, fit_cost_model, fit_quality
 from cadence.engine.llm import LLM
 from cadence.sim.calibrate import TimedStep, cycle_samples, default_plan, fit_timed_steps, time_steps, timing
-from cadence.sim.cost_model import CostModel, fit_cost_model, fit_quality
 from cadence.sim.replay import replay
 from cadence.sim.simulator import EngineLimits, simulate
 from cadence.sim.workload import describe, synthetic_workload

@@ -32,6 +32,11 @@ from cadence.models.registry import architectures_of, check_supported
 # 32 concurrent clients with 128-token prompts got TTFT p50 1,090 ms at 2048, 659 ms at 1024 and
 # 318 ms at 512, for 1-2% of output throughput; p99 stays about 1.5 s (benchmarks/compare.py).
 DEFAULT_TOKEN_BUDGET: dict[str, int] = {"offline": 2048, "serving": 512}
+# The inter-token latency a step with decodes is sized for (ms; 0: off), by usage context. Offline
+# nobody watches tokens arrive, and whole budgets run fastest. Serving the default model in bf16, 32
+# streaming clients saw ITL p99 of 391-616 ms without it (a 512-token prefill chunk stalls every
+# decode) and 135-154 ms at 100, for TTFT p99 of 4.6-7.5 s against 3.3-4.9 s (docs/performance.md).
+DEFAULT_TARGET_ITL_MS: dict[str, float] = {"offline": 0.0, "serving": 100.0}
 
 
 def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
@@ -72,6 +77,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = field(default=True, metadata=_flag(
         "split long prompts across steps to fit the token budget"))
     long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one prompt's chunk per step (0: none)"))
+    target_itl_ms: float | None = field(default=None, metadata=_flag(
+        "size prefill chunks so that a step with decodes ends within this many ms, or twice the decodes' "
+        f"own time if longer (0: off; default {DEFAULT_TARGET_ITL_MS['offline']:g}, "
+        f"{DEFAULT_TARGET_ITL_MS['serving']:g} for serve; docs/performance.md)"))
     policy: str = field(default="fcfs", metadata=_flag("scheduling policy (an entry point in cadence.policies)"))
     policy_options: dict[str, str] = field(default_factory=dict, metadata=_flag(
         "option for the policy; repeatable", flag="--policy-option", metavar="KEY=VALUE"))
@@ -119,6 +128,8 @@ class EngineArgs:
                 max_num_batched_tokens=batched,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                target_itl_ms=(DEFAULT_TARGET_ITL_MS[self.usage_context] if self.target_itl_ms is None
+                               else self.target_itl_ms),
                 policy=self.policy,
                 policy_options=dict(self.policy_options),
             ),
@@ -146,7 +157,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif f.default_factory is not MISSING:  # policy_options: KEY=VALUE, repeatable
             kwargs.update(action="append", default=[])
         else:
-            kwargs.update(default=f.default, type=int if int in _members(hint) and str not in _members(hint) else str)
+            kwargs.update(default=f.default, type=_flag_type(_members(hint)))
         group.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
 
@@ -168,6 +179,13 @@ def _key_values(items: list[str]) -> dict[str, str]:
             raise ValueError(f"--policy-option takes KEY=VALUE, got {item!r}")
         options[key] = value
     return options
+
+
+def _flag_type(members: tuple[Any, ...]) -> type:
+    """What a flag's value is parsed as: a number for a numeric field, else the string as given."""
+    if str in members:
+        return str
+    return int if int in members else float if float in members else str
 
 
 def _members(hint: Any) -> tuple[Any, ...]:

@@ -67,12 +67,13 @@ class Trace:
 
 def build_scheduler(policy: str, options: dict[str, str] | None = None, *, budget: int, max_num_seqs: int,
                     num_blocks: int, block_size: int, prefix_caching: bool = True,
-                    engine_chunked: bool = True, long_prefill_token_threshold: int = 0) -> Scheduler:
+                    engine_chunked: bool = True, long_prefill_token_threshold: int = 0,
+                    target_itl_ms: float = 0.0) -> Scheduler:
     allocator = KVCacheManager(num_blocks, block_size, prefix_caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              enable_chunked_prefill=engine_chunked,
                              long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
-                             policy_options=options or {})
+                             policy_options=options or {}, target_itl_ms=target_itl_ms)
     context = PolicyContext(budget, max_num_seqs, engine_chunked, long_prefill_token_threshold)
     return Scheduler(config, allocator, load_policy(policy, context, options))
 

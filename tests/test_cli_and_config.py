@@ -54,13 +54,18 @@ def test_engine_args_build_the_config_tree(make_tiny_model: Callable[..., Path])
     assert config.scheduler.max_num_seqs == 8
 
 
-def test_the_token_budget_defaults_by_usage_and_yields_to_the_user(make_tiny_model: Callable[..., Path]) -> None:
+@pytest.mark.parametrize(("field", "defaults", "chosen"), [
+    ("max_num_batched_tokens", {"offline": 2048, "serving": 512}, 4096),
+    ("target_itl_ms", {"offline": 0.0, "serving": 100.0}, 0.0),  # serve keeps streams steady
+])
+def test_scheduler_defaults_follow_the_usage_and_yield_to_the_user(
+        make_tiny_model: Callable[..., Path], field: str, defaults: dict[str, float], chosen: float) -> None:
     folder = str(make_tiny_model("llama"))
-    budget = {usage: EngineArgs(model=folder, usage_context=usage).create_config().scheduler.max_num_batched_tokens
-              for usage in ("offline", "serving")}
-    assert budget == {"offline": 2048, "serving": 512}
-    chosen = EngineArgs(model=folder, usage_context="serving", max_num_batched_tokens=4096).create_config()
-    assert chosen.scheduler.max_num_batched_tokens == 4096
+    got = {usage: getattr(EngineArgs(model=folder, usage_context=usage).create_config().scheduler, field)
+           for usage in ("offline", "serving")}
+    assert got == defaults
+    config = EngineArgs(model=folder, usage_context="serving", **{field: chosen}).create_config()
+    assert getattr(config.scheduler, field) == chosen
 
 
 @pytest.mark.parametrize(("build", "message"), [

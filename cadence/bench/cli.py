@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cadence.bench import serve, throughput
+from cadence.bench import serve, sweep, throughput
 from cadence.bench.soak import cli as soak
 
 
@@ -18,6 +18,10 @@ def register(verbs: argparse._SubParsersAction[Any]) -> None:
     online = kinds.add_parser("serve", help="load an OpenAI-compatible server (like vllm bench serve)")
     serve.add_arguments(online)
     online.set_defaults(run=serve.run)
+    curve = kinds.add_parser("sweep", help="a throughput-latency curve: bench serve at several request rates, "
+                                           "for one or more servers, with goodput and a PNG")
+    sweep.add_arguments(curve)
+    curve.set_defaults(run=sweep.run)
     endurance = kinds.add_parser("soak", help="minutes of mixed load on cadence serve, then a verdict on "
                                               "memory, requests and the KV pool",
                                  description=soak.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,7 +7,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
+
+from cadence.sim.workload import LengthDist
 
 # SmolLM2 and most byte-level BPE vocabularies keep their special tokens among the first ids.
 _FIRST_ORDINARY_ID = 100
@@ -36,6 +39,38 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
         prompt = [rng.randrange(_FIRST_ORDINARY_ID, vocab_size) for _ in range(n_in)]
         requests.append(BenchRequest(prompt, n_in, length(output_len)))
     return requests
+
+
+@dataclass(frozen=True)
+class LengthMix:
+    """Prompt and output lengths drawn from two distributions (``cadence simulate``'s forms), each
+    clipped to a cap."""
+
+    input_len: LengthDist
+    output_len: LengthDist
+    max_input_len: int
+    max_output_len: int
+
+    def describe(self) -> str:
+        return (f"prompt {self.input_len} up to {self.max_input_len} tokens, "
+                f"output {self.output_len} up to {self.max_output_len}")
+
+
+# Lengths shaped like ShareGPT conversations: heavy-tailed prompts and replies, means of about 240
+# prompt and 190 output tokens (vLLM's ShareGPT benchmark averages with a Llama tokenizer), spread
+# of the logs 1.0 and 0.8, capped to fit a 2,048-token context. Synthetic: the same token ids drawn
+# at random as the random dataset, so nothing is shared between prompts.
+SHAREGPT_LIKE = LengthMix(LengthDist("lognormal", (240.0, 1.0)), LengthDist("lognormal", (190.0, 0.8)),
+                          max_input_len=1024, max_output_len=1024)
+
+
+def length_mix_requests(num: int, mix: LengthMix, vocab_size: int, seed: int) -> list[BenchRequest]:
+    """Token-id prompts and output lengths drawn from ``mix`` with ``seed``."""
+    rng = np.random.default_rng(seed)
+    inputs = np.minimum(mix.input_len.sample(num, rng), mix.max_input_len)
+    outputs = np.minimum(mix.output_len.sample(num, rng), mix.max_output_len)
+    return [BenchRequest(rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=int(n_in)).tolist(), int(n_in), int(n_out))
+            for n_in, n_out in zip(inputs, outputs, strict=True)]
 
 
 def file_requests(path: str | Path, tokenizer: PreTrainedTokenizerBase, num: int, default_output_len: int,

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from cadence.bench.datasets import BenchRequest, file_requests, random_requests
+from cadence.bench.datasets import SHAREGPT_LIKE, BenchRequest, file_requests, length_mix_requests, random_requests
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
 
 _COMPLETIONS = "/v1/completions"
@@ -193,6 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--range-ratio", type=float, default=0.0)
     parser.add_argument("--dataset-path", default=None, help="ShareGPT .json or .jsonl of {prompt, output_len}")
+    parser.add_argument("--dataset-name", default="random", choices=["random", "sharegpt-like"],
+                        help="without --dataset-path: random (--input-len, --output-len, --range-ratio) or "
+                             f"sharegpt-like ({SHAREGPT_LIKE.describe()})")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrivals; 1 is Poisson")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
@@ -212,6 +215,8 @@ def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str]
     tokenizer = load_tokenizer(resolve_model(ns.tokenizer))
     if ns.dataset_path:
         requests = file_requests(ns.dataset_path, tokenizer, ns.num_prompts, ns.output_len, ns.seed)
+    elif ns.dataset_name == "sharegpt-like":
+        requests = length_mix_requests(ns.num_prompts, SHAREGPT_LIKE, tokenizer.vocab_size, ns.seed)
     else:
         requests = random_requests(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
                                    tokenizer.vocab_size, ns.seed)
@@ -219,11 +224,14 @@ def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str]
     return requests, texts
 
 
-def measure(ns: argparse.Namespace) -> tuple[str, BenchmarkMetrics]:
-    """Run the load ``ns`` describes against ``ns.base_url``; returns the model name sent and the figures."""
+def measure(ns: argparse.Namespace, requests: Sequence[BenchRequest] | None = None,
+            prompts: Sequence[str] | None = None) -> tuple[str, BenchmarkMetrics]:
+    """Run the load ``ns`` describes against ``ns.base_url`` (``requests`` and their ``prompts`` when
+    given, else those ``ns`` describes); returns the model name sent and the figures."""
     slos = parse_goodput(ns.goodput)
     percentiles = [float(p) for p in ns.metric_percentiles.split(",") if p.strip()]
-    requests, prompts = build_prompts(ns)
+    if requests is None or prompts is None:
+        requests, prompts = build_prompts(ns)
     base_url = ns.base_url.rstrip("/")
     model = ns.model or asyncio.run(served_model(base_url, ns.api_key))
     target = ServeTarget(base_url, ns.endpoint, model, ns.api_key, ns.ignore_eos)

@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from cadence.config import SchedulerConfig
+from cadence.core.cost_model import CostModel, StepShape
 from cadence.core.kv_cache_manager import KVCacheManager
+from cadence.core.step_budget import StepBudget
+from cadence.core.step_plan import StepPlan
 from cadence.core.structured_output import StructuredOutputManager
 from cadence.messages import (
     CachedRequestData,
@@ -38,29 +40,9 @@ from cadence.request import Request, RequestStatus, RequestView
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _StepPlan:
-    """What the step being built has decided so far."""
-
-    budget: int
-    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
-    new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # per KV cache group
-    preempted: list[Request] = field(default_factory=list)
-    preempted_for_running: bool = False
-
-    def take(self, request: Request, num: int, blocks: list[list[int]]) -> None:
-        self.scheduled[request.request_id] = num
-        self.new_blocks[request.request_id] = blocks
-        self.budget -= num
-
-    def drop(self, request: Request) -> None:
-        self.budget += self.scheduled.pop(request.request_id, 0)
-        self.new_blocks.pop(request.request_id, None)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: KVCacheManager, policy: SchedulingPolicy,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None, cost_model: CostModel | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.policy = policy
@@ -76,6 +58,10 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
+        # The inter-token latency target sizes prefill chunks, which whole-prefill policies never cut.
+        self.step_budget = (StepBudget(config.target_itl_ms / 1000.0, cost_model)
+                            if config.target_itl_ms and policy.chunked else None)
+        self._last_shape: StepShape | None = None
 
     # ---- queue management --------------------------------------------------------------------
 
@@ -199,26 +185,27 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        step = _StepPlan(self.config.max_num_batched_tokens)
+        step = StepPlan(self.config.max_num_batched_tokens, self.step_budget, self.running)
         self._serve_running(step)
         self._admit_waiting(step)
         return self._build_output(step)
 
-    def _serve_running(self, step: _StepPlan) -> None:
+    def _serve_running(self, step: StepPlan) -> None:
         for view in self.policy.order_running(self.running):
             if step.budget == 0:
                 break
             request = self.requests[view.request_id]
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
-            num = self.policy.num_tokens(request, step.budget)
+            start = request.num_computed_tokens
+            num = self.policy.num_tokens(request, step.token_budget(request, start))
             if num == 0:
                 continue
             blocks = self._allocate_or_preempt(request, num, step)
             if blocks is not None:
-                step.take(request, num, blocks)
+                step.take(request, num, blocks, start)
 
-    def _allocate_or_preempt(self, request: Request, num: int, step: _StepPlan) -> list[list[int]] | None:
+    def _allocate_or_preempt(self, request: Request, num: int, step: StepPlan) -> list[list[int]] | None:
         """Blocks for ``num`` more tokens of a running request, preempting others until they fit."""
         while True:
             blocks = self.allocator.allocate(request, num)
@@ -230,7 +217,7 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _admit_waiting(self, step: _StepPlan) -> None:
+    def _admit_waiting(self, step: StepPlan) -> None:
         """Admit in the policy's order until one request cannot be admitted (head of line).
 
         After a preemption for a running request, memory is short: only requests the policy would
@@ -265,7 +252,7 @@ class Scheduler:
                 order, position = self.policy.order_waiting(self.waiting), 0
         self.running.extend(admitted)
 
-    def _admit(self, request: Request, num_admitted: int, step: _StepPlan) -> bool:
+    def _admit(self, request: Request, num_admitted: int, step: StepPlan) -> bool:
         """Give a waiting request tokens, a seat and blocks, preempting where the policy says so.
 
         The budget is checked first: preemption makes room for seats and blocks, never for tokens.
@@ -274,7 +261,7 @@ class Scheduler:
             # Look up again after every preemption: freeing a victim can drop hashes of blocks it
             # was given in this step, and the lookup must go straight into allocate().
             hit_blocks, hit_tokens = self._prefix_hit(request)
-            num = self.policy.num_tokens(request, step.budget, hit_tokens)
+            num = self.policy.num_tokens(request, step.token_budget(request, hit_tokens), hit_tokens)
             if num == 0:
                 return False
             if len(self.running) + num_admitted >= self.config.max_num_seqs:
@@ -289,8 +276,14 @@ class Scheduler:
         request.num_computed_tokens = hit_tokens
         request.num_cached_tokens = hit_tokens
         request.status = RequestStatus.RUNNING
-        step.take(request, num, blocks)
+        step.take(request, num, blocks, hit_tokens)
         return True
+
+    def observe_step_time(self, seconds: float) -> None:
+        """How long the step :meth:`schedule` built last took (the engine's wall time, or the
+        simulator's modelled time): it keeps the step-time model the latency target relies on."""
+        if self.step_budget is not None and self._last_shape is not None:
+            self.step_budget.observe(self._last_shape, seconds)
 
     def _prefix_hit(self, request: Request) -> tuple[list[list[int]], int]:
         """The request's prefix-cache hit; none for one that wants its prompt's logprobs, whose
@@ -299,7 +292,7 @@ class Scheduler:
             return [], 0  # allocate() takes no hit lists as no hits
         return self.allocator.get_computed_blocks(request)
 
-    def _preempt_for(self, request: Request, step: _StepPlan) -> bool:
+    def _preempt_for(self, request: Request, step: StepPlan) -> bool:
         view = self.policy.preempt_for(request, self.running)
         if view is None:
             return False
@@ -313,7 +306,7 @@ class Scheduler:
                                "which is not running")
         return request
 
-    def _preempt(self, request: Request, step: _StepPlan) -> None:
+    def _preempt(self, request: Request, step: StepPlan) -> None:
         """Preempt by recompute; what the request was given earlier in this step goes back."""
         step.drop(request)
         step.preempted.append(request)
@@ -328,9 +321,11 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.policy.on_preempted(request)
 
-    def _build_output(self, step: _StepPlan) -> SchedulerOutput:
+    def _build_output(self, step: StepPlan) -> SchedulerOutput:
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
+        if self.step_budget is not None:
+            self._last_shape = step.shape(self.requests)
         preempted_ids = [r.request_id for r in step.preempted if r.request_id in self._on_worker]
         self._on_worker.difference_update(preempted_ids)
         for request_id, num in step.scheduled.items():

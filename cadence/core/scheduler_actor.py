@@ -155,7 +155,9 @@ class SchedulerActor(Actor[SchedulerInbox]):
         for output in outputs:
             output.queue_time_s = self._first_scheduled.pop(output.request_id, None)
         self._pending.extend(outputs)
-        self.timing.record(len(step.num_scheduled_tokens), time.perf_counter() - started, message.forward_time_s)
+        wall_s = time.perf_counter() - started
+        self.scheduler.observe_step_time(wall_s)
+        self.timing.record(len(step.num_scheduled_tokens), wall_s, message.forward_time_s)
 
     def _heartbeat_due(self) -> bool:
         """Whether to report the state without outputs: while work is unfinished, at least every

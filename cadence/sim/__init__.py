@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from cadence.sim.cost_model import CostModel, StepShape, fit_cost_model
+from cadence.core.cost_model import CostModel, StepShape, fit_cost_model
 from cadence.sim.simulator import EngineLimits, SimResult, StepRecord, simulate
 from cadence.sim.workload import LengthDist, RequestSpec, load_trace, save_trace, synthetic_workload
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from cadence.config import threads_per_rank
+from cadence.core.cost_model import CostModel, FitQuality, StepShape, fit_cost_model
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
-from cadence.sim.cost_model import CostModel, FitQuality, StepShape, fit_cost_model
 from cadence.sim.replay import replay
 from cadence.sim.runner import ShapeTracker
 from cadence.sim.workload import RequestSpec, arrival_times

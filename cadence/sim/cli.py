@@ -83,8 +83,8 @@ def _policy_specs(ns: argparse.Namespace) -> list[tuple[str, str, dict[str, str]
 
 def run_simulate(ns: argparse.Namespace) -> int:
     from cadence.bench.metrics import parse_goodput
+    from cadence.core.cost_model import CostModel
     from cadence.sim import report
-    from cadence.sim.cost_model import CostModel
     from cadence.sim.simulator import EngineLimits, simulate
     from cadence.sim.workload import describe, load_trace, save_trace, synthetic_workload
 

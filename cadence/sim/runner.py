@@ -4,13 +4,13 @@ It keeps the same persistent batch the real :class:`~cadence.executor.model_runn
 keeps (new requests arrive whole, running ones as deltas; finished and preempted ones are
 dropped), but only counts: how many tokens each request knows and how many are computed. A
 request whose scheduled tokens reach the end of what it knows "samples" a token; what that step
-computed is summed into a :class:`~cadence.sim.cost_model.StepShape` for the cost model.
+computed is summed into a :class:`~cadence.core.cost_model.StepShape` for the cost model.
 """
 
 from __future__ import annotations
 
+from cadence.core.cost_model import CostModel, StepShape, step_shape
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
-from cadence.sim.cost_model import CostModel, StepShape
 
 # Any id other than the requests' EOS would do: simulated requests end by length.
 SIMULATED_TOKEN_ID = 1
@@ -38,32 +38,17 @@ class ShapeTracker:
         for cached in out.cached_requests:
             counts[cached.request_id][1] = cached.num_computed_tokens
         sampled: list[str] = []
-        prefill_tokens = decode_seqs = prefills = prefill_attn = 0
-        longest_decode = 0
+        chunks = []
         for request_id, num in out.num_scheduled_tokens.items():
             state = counts[request_id]
             end = state[1] + num
             state[1] = end
-            if num == 1:
-                decode_seqs += 1
-                if end > longest_decode:
-                    longest_decode = end
-            else:
-                prefills += 1
-                prefill_tokens += num
-                prefill_attn += num * end
-            if end == state[0]:
+            samples = end == state[0]
+            if samples:
                 sampled.append(request_id)
                 state[0] = end + 1
-        shape = StepShape(
-            num_seqs=decode_seqs + prefills,
-            prefill_tokens=prefill_tokens,
-            decode_seqs=decode_seqs,
-            kv_tokens=decode_seqs * longest_decode,
-            prefill_attn=prefill_attn,
-            prefills=prefills,
-            sampled=len(sampled),
-        )
+            chunks.append((num, end, samples))
+        shape = step_shape(chunks)
         return shape, sampled
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, TenantShare, compute_metrics, tenant_shares
 from cadence.config import SchedulerConfig
+from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.messages import SchedulerOutput
@@ -25,7 +26,6 @@ from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.loader import load_policy
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams
-from cadence.sim.cost_model import CostModel
 from cadence.sim.runner import SimulatedRunner
 from cadence.sim.workload import RequestSpec
 
@@ -49,6 +49,7 @@ class EngineLimits:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    target_itl_ms: float = 0.0
 
     def __post_init__(self) -> None:
         self.scheduler_config()  # the scheduler's own checks, raised at the boundary
@@ -75,7 +76,8 @@ class EngineLimits:
                    max_model_len=config.model.max_model_len, enable_prefix_caching=config.cache.enable_prefix_caching,
                    max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
                    enable_chunked_prefill=sched.enable_chunked_prefill,
-                   long_prefill_token_threshold=sched.long_prefill_token_threshold)
+                   long_prefill_token_threshold=sched.long_prefill_token_threshold,
+                   target_itl_ms=sched.target_itl_ms)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -85,7 +87,7 @@ class EngineLimits:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                long_prefill_token_threshold=self.long_prefill_token_threshold,
-                               policy=policy, policy_options=dict(options or {}))
+                               target_itl_ms=self.target_itl_ms, policy=policy, policy_options=dict(options or {}))
 
     def policy_context(self) -> PolicyContext:
         return PolicyContext(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
@@ -207,7 +209,7 @@ def simulate(
     else:
         name = policy.name
     allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching)
-    scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, policy)
+    scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, policy, cost_model=cost_model)
     run = _Run(workload, limits, scheduler, SimulatedRunner(cost_model), seed, on_step, max_steps)
     started = time.perf_counter()
     run.run()
@@ -268,6 +270,7 @@ class _Run:
                                     shape.decode_seqs, shape.kv_tokens, len(scheduler.running),
                                     len(scheduler.waiting), allocator.usage, scheduler.num_preemptions))
             now += duration
+            scheduler.observe_step_time(duration)
             for output in scheduler.update_from_output(result):
                 if output.new_token_ids:
                     chunk_times[output.request_id].append(now)

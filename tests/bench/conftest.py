@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import aiohttp.web
 import pytest
+from support.sse_server import completions_app
 
 
 @pytest.fixture
@@ -33,3 +34,9 @@ def run_app() -> Iterator[Callable[[aiohttp.web.Application], str]]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+@pytest.fixture
+def server(run_app: Callable[[aiohttp.web.Application], str]) -> str:
+    """The scripted completions server (``support/sse_server.py``); its base URL."""
+    return run_app(completions_app())

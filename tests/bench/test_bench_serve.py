@@ -3,43 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import statistics
-from collections.abc import Callable
 
-import aiohttp.web
 import pytest
+from support.sse_server import TOKENS_PER_REPLY
 
 from cadence.bench.datasets import BenchRequest
 from cadence.bench.metrics import compute_metrics
 from cadence.bench.serve import ServeTarget, arrival_delays, run_load
-
-TOKENS_PER_REPLY = 5
-GAP_S = 0.02
-
-
-async def _completions(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
-    body = await request.json()
-    if body["prompt"] == "fail":
-        return aiohttp.web.json_response({"error": {"message": "no", "type": "x", "param": None, "code": None}},
-                                         status=400)
-    response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    for i in range(TOKENS_PER_REPLY):
-        await asyncio.sleep(GAP_S)
-        chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": TOKENS_PER_REPLY, "total_tokens": 12}}
-    await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-    return response
-
-
-@pytest.fixture
-def server(run_app: Callable[[aiohttp.web.Application], str]) -> str:
-    app = aiohttp.web.Application()
-    app.router.add_post("/v1/completions", _completions)
-    return run_app(app)
 
 
 def test_records_every_streamed_chunk_and_counts_failures(server: str) -> None:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from cadence.core.cost_model import CostModel, StepShape
 from cadence.engine.llm import LLM
 from cadence.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.sampling_params import SamplingParams
 from cadence.sim.calibrate import Phase, TimedStep, cycle_samples, default_plan, fit_timed_steps, time_steps
-from cadence.sim.cost_model import CostModel, StepShape
 from cadence.sim.replay import replay
 from cadence.sim.runner import SIMULATED_TOKEN_ID, ShapeTracker, SimulatedRunner
 from cadence.sim.workload import RequestSpec

@@ -77,6 +77,24 @@ class StepShape:
                 self.sampled]
 
 
+def step_shape(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
+    """The shape of a step from each request's part in it: (tokens scheduled, its position after
+    them, whether it samples a token)."""
+    prefill_tokens = decode_seqs = prefills = prefill_attn = sampled = longest_decode = 0
+    for num, end, samples in chunks:
+        if num == 1:
+            decode_seqs += 1
+            longest_decode = max(longest_decode, end)
+        else:
+            prefills += 1
+            prefill_tokens += num
+            prefill_attn += num * end
+        sampled += samples
+    return StepShape(num_seqs=decode_seqs + prefills, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs,
+                     kv_tokens=decode_seqs * longest_decode, prefill_attn=prefill_attn, prefills=prefills,
+                     sampled=sampled)
+
+
 @dataclass(frozen=True)
 class FitQuality:
     """How well a fit reproduces its own samples (relative errors are |pred - true| / true)."""

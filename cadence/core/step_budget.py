@@ -1,0 +1,111 @@
+"""A step's time budget: prefill chunks sized so that requests already decoding get their next token
+within a target inter-token latency (``--target-itl-ms``), the way Sarathi-Serve derives its token
+budget from a time-between-tokens SLO.
+
+Every decode in a step waits for the whole step, prefill chunks included: a 512-token chunk on the
+default model costs about eight decode steps, and every streaming client sees that gap. So when a
+step has decodes, the prefills in it get the time the decodes leave under the target, never less
+than the decodes' own time (a long decode batch must not starve new prompts: their share of a step
+is at least half). A step without decodes runs the whole token budget.
+
+Step times come from a :class:`~cadence.core.cost_model.CostModel` refitted as the engine runs: the
+engine (or the simulator, with its modelled times) reports each step's shape and duration, and every
+``refit_every`` steps the last ``window`` of them are fitted again. Features the window never varied
+(no prefill in it, say) keep their previous coefficients, so a run of decodes cannot make prefills
+look free. Until the first refit the built-in (or given) model stands in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Collection, Sequence
+
+import numpy as np
+
+from cadence.core.cost_model import FEATURES, CostModel, StepShape, fit_cost_model
+
+
+class StepBudget:
+    """The time a step's prefills may take, and the tokens that fit in it."""
+
+    def __init__(self, target_s: float, model: CostModel | None = None, *, window: int = 256,
+                 refit_every: int = 128) -> None:
+        if not target_s > 0:
+            raise ValueError(f"the target inter-token latency must be > 0 s, got {target_s}")
+        self.target_s = target_s
+        self.model = model or CostModel.default()
+        self.refit_every = refit_every
+        self._samples: deque[tuple[StepShape, float]] = deque(maxlen=window)
+        self._since_fit = 0
+
+    # ---- learning step times ------------------------------------------------------------------
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """One step that ran: its shape and its duration."""
+        if seconds <= 0 or not shape.num_seqs:
+            return
+        self._samples.append((shape, seconds))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self._since_fit = 0
+            self.model = refit(self.model, self._samples)
+
+    # ---- sizing a step ------------------------------------------------------------------------
+
+    def prefill_time(self, decode_ends: Sequence[int]) -> float:
+        """Seconds the prefills of a step may take beside decodes whose contexts end at ``decode_ends``
+        (each decode's position after its token): what the decodes leave of the target, and never
+        less than the decodes' own time; ``inf`` for a step without decodes."""
+        if not decode_ends:
+            return math.inf
+        n = len(decode_ends)
+        decodes = self.model.step_time(StepShape(num_seqs=n, decode_seqs=n, kv_tokens=n * max(decode_ends),
+                                                 sampled=n))
+        return max(self.target_s - decodes, decodes)
+
+    def prefill_tokens(self, seconds: float, start: int) -> int:
+        """The longest chunk, starting at position ``start``, that one request computes in ``seconds``."""
+        c = self.model.coefficients
+        per_token = c.get("prefill_tokens", 0.0) + c.get("prefill_attn", 0.0) * start
+        quadratic = c.get("prefill_attn", 0.0)  # chunk n at start s attends n * (s + n) pairs
+        room = seconds - c.get("prefills", 0.0) - c.get("sampled", 0.0)
+        if room <= 0:
+            return 0
+        if quadratic > 0:
+            n = (-per_token + math.sqrt(per_token * per_token + 4 * quadratic * room)) / (2 * quadratic)
+        elif per_token > 0:
+            n = room / per_token
+        else:
+            return 1 << 30  # prefill costs nothing in this model: only the token budget bounds it
+        return int(n + 1e-9)  # a chunk that fits exactly, despite rounding
+
+    def chunk_time(self, num: int, start: int) -> float:
+        """Seconds a ``num``-token chunk starting at ``start`` adds to a step."""
+        c = self.model.coefficients
+        return (c.get("prefills", 0.0) + c.get("prefill_tokens", 0.0) * num
+                + c.get("prefill_attn", 0.0) * num * (start + num))
+
+
+# What the running fit learns. A serving workload's prompts are much alike, so chunk counts, query x
+# key pairs and tokens move together, and a fit of all three swings between them from one window to
+# the next (measured: the attention term 20x apart), which then mis-sizes chunks of other lengths.
+# Tokens alone carry the average attention cost of the prompts being served.
+ONLINE_FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens")
+
+
+def refit(model: CostModel, samples: Collection[tuple[StepShape, float]]) -> CostModel:
+    """A model of :data:`ONLINE_FEATURES` fitted to ``samples``; a feature they never vary keeps
+    ``model``'s coefficient."""
+    if not samples:
+        return model
+    shapes, times = zip(*samples, strict=True)
+    x = np.array([shape.features() for shape in shapes])
+    varied = [name for name, low, high in zip(FEATURES, x.min(axis=0), x.max(axis=0), strict=True)
+              if name == "const" or (name in ONLINE_FEATURES and high > low)]
+    try:
+        fitted, _ = fit_cost_model(shapes, times, features=varied)
+    except ValueError:  # too few samples for the features
+        return model
+    kept = {name: model.coefficients.get(name, 0.0) for name in ONLINE_FEATURES}
+    return CostModel({**kept, **fitted.coefficients}, {**model.metadata, "source": "refitted while running"})

@@ -1,0 +1,61 @@
+"""The step being built: what the scheduler has decided so far, and what is left of its token and
+time budgets (the time budget is :mod:`cadence.core.step_budget`'s, when an ITL target is set)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from cadence.core.cost_model import StepShape, step_shape
+from cadence.core.step_budget import StepBudget
+from cadence.request import Request
+
+
+@dataclass
+class StepPlan:
+    budget: int  # tokens left
+    step_budget: StepBudget | None = None
+    running: Sequence[Request] = ()  # when the step began: its decodes set the prefills' time
+    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
+    new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # per KV cache group
+    preempted: list[Request] = field(default_factory=list)
+    preempted_for_running: bool = False
+    # Seconds the step's prefill chunks may still take (inf: only the token budget bounds them).
+    time_left: float = math.inf
+    has_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        if self.step_budget is not None:
+            self.time_left = self.step_budget.prefill_time(
+                [r.num_tokens for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
+
+    def token_budget(self, request: Request, start: int) -> int:
+        """What ``request``, computed up to ``start``, may draw on: the tokens left, and for a prefill
+        what fits the time left (at least one token for the step's first prefill, so prompts always move)."""
+        if self.step_budget is None or self.time_left == math.inf or request.num_tokens - start <= 1:
+            return self.budget
+        fits = self.step_budget.prefill_tokens(self.time_left, start)
+        return min(self.budget, fits if fits or self.has_prefill else 1)
+
+    def take(self, request: Request, num: int, blocks: list[list[int]], start: int) -> None:
+        self.scheduled[request.request_id] = num
+        self.new_blocks[request.request_id] = blocks
+        self.budget -= num
+        if request.num_tokens - start > 1:
+            self.has_prefill = True
+            if self.step_budget is not None:
+                self.time_left -= self.step_budget.chunk_time(num, start)
+
+    def drop(self, request: Request) -> None:
+        self.budget += self.scheduled.pop(request.request_id, 0)
+        self.new_blocks.pop(request.request_id, None)
+
+    def shape(self, requests: Mapping[str, Request]) -> StepShape:
+        """What the step computes, before the requests' computed counts move past it."""
+        chunks = []
+        for request_id, num in self.scheduled.items():
+            request = requests[request_id]
+            end = request.num_computed_tokens + num
+            chunks.append((num, end, end == request.num_tokens))
+        return step_shape(chunks)

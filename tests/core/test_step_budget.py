@@ -1,0 +1,166 @@
+"""The inter-token latency target (``--target-itl-ms``): the time a step's prefills get, the chunk that
+fits it, the step-time model refitted as the engine runs, and the scheduler and simulator under it.
+
+Step times here come from cost models with round coefficients, so every expected value is exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cadence.config import SchedulerConfig
+from cadence.core.cost_model import CostModel, StepShape
+from cadence.core.kv_cache_manager import KVCacheManager
+from cadence.core.scheduler import Scheduler
+from cadence.core.step_budget import ONLINE_FEATURES, StepBudget, refit
+from cadence.core.step_plan import StepPlan
+from cadence.messages import ModelRunnerOutput
+from cadence.policies.base import PolicyContext
+from cadence.policies.fcfs import FCFSPolicy
+from cadence.request import Request
+from cadence.sampling_params import SamplingParams
+from cadence.sim import EngineLimits, RequestSpec, simulate
+
+# 10 ms a step, 1 ms a prefill token, 2 ms a decode: a decode of n requests takes 10 + 2n ms.
+LINEAR = CostModel({"const": 0.010, "prefill_tokens": 0.001, "decode_seqs": 0.002})
+
+
+def test_prefill_time_is_what_the_decodes_leave_of_the_target_and_never_less_than_their_own() -> None:
+    budget = StepBudget(0.050, LINEAR)
+    assert budget.prefill_time([]) == math.inf  # nobody is waiting for a next token
+    assert budget.prefill_time([5, 9, 7]) == pytest.approx(0.050 - 0.016)
+    # 30 decodes take 70 ms, past the target: the prefills still get as long as the decodes.
+    assert budget.prefill_time([3] * 30) == pytest.approx(0.070)
+
+
+def test_the_chunk_fits_the_time_including_attention_over_its_start() -> None:
+    linear = StepBudget(0.05, LINEAR)
+    assert linear.prefill_tokens(0.0305, start=0) == 30
+    assert linear.prefill_tokens(0.030, start=0) == 30  # exactly, despite rounding
+    assert linear.prefill_tokens(0.0, start=0) == linear.prefill_tokens(5e-4, start=0) == 0
+    quadratic = StepBudget(0.05, CostModel({"prefill_tokens": 1e-4, "prefill_attn": 1e-6, "prefills": 0.002}))
+    for seconds, start in ((0.01, 0), (0.01, 500), (0.2, 4000)):
+        n = quadratic.prefill_tokens(seconds, start)
+        assert quadratic.chunk_time(n, start) <= seconds < quadratic.chunk_time(n + 1, start)
+    # The same time buys fewer tokens deep into a long prompt.
+    assert quadratic.prefill_tokens(0.01, 500) < quadratic.prefill_tokens(0.01, 0)
+
+
+def _shape(prefill: int, decodes: int, context: int) -> StepShape:
+    return StepShape(num_seqs=decodes + (prefill > 0), prefill_tokens=prefill, decode_seqs=decodes,
+                     kv_tokens=decodes * context, prefill_attn=prefill * prefill, prefills=int(prefill > 0),
+                     sampled=decodes)
+
+
+def test_refit_learns_the_running_costs_and_keeps_what_it_never_saw() -> None:
+    truth = {"const": 0.02, "prefill_tokens": 7e-4, "decode_seqs": 1e-3, "kv_tokens": 3e-6}
+    true_model = CostModel(truth)
+    samples = [(s, true_model.step_time(s)) for s in
+               (_shape(p, d, c) for p in (0, 32, 128) for d in (1, 8, 32) for c in (64, 200))]
+    fitted = refit(CostModel.default(), samples)
+    assert set(fitted.coefficients) == set(ONLINE_FEATURES)
+    for name, value in truth.items():
+        assert fitted.coefficients[name] == pytest.approx(value, rel=1e-6)
+    # Decodes only: the prefill cost is not learned as zero but kept.
+    decodes = [(s, true_model.step_time(s)) for s in (_shape(0, d, 100) for d in (1, 2, 4, 8, 16))]
+    kept = refit(CostModel({**truth, "prefill_tokens": 5e-4}), decodes)
+    assert kept.coefficients["prefill_tokens"] == 5e-4
+    assert refit(LINEAR, []) is LINEAR
+
+
+def test_observing_steps_refits_every_so_many() -> None:
+    budget = StepBudget(0.05, CostModel.default(), refit_every=4)
+    truth = CostModel({"const": 0.03, "prefill_tokens": 2e-3, "decode_seqs": 1e-3})
+    for prefill, decodes in ((16, 1), (64, 2), (0, 4), (8, 8)):
+        assert budget.model is not truth
+        budget.observe(_shape(prefill, decodes, 10), truth.step_time(_shape(prefill, decodes, 10)))
+    for name in ("const", "prefill_tokens", "decode_seqs"):
+        assert budget.model.coefficients[name] == pytest.approx(truth.coefficients[name], rel=1e-6)
+
+
+def _scheduler(target_ms: float, chunked: bool = True, model: CostModel = LINEAR) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, target_itl_ms=target_ms)
+    policy = FCFSPolicy(PolicyContext(256, 16, True, 0), {"chunked": str(chunked).lower()})
+    return Scheduler(config, KVCacheManager(num_blocks=257, block_size=4), policy, cost_model=model)
+
+
+def _request(request_id: str, prompt_len: int, first_token: int) -> Request:
+    return Request(request_id, list(range(first_token, first_token + prompt_len)),
+                   SamplingParams(max_tokens=50, ignore_eos=True), eos_token_id=None, arrival_time=0.0,
+                   max_model_len=512)
+
+
+def _step(scheduler: Scheduler) -> dict[str, int]:
+    out = scheduler.schedule()
+    done = [rid for rid, num in out.num_scheduled_tokens.items()
+            if scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens]
+    scheduler.update_from_output(ModelRunnerOutput(out.step_id, done, [7] * len(done)))
+    return dict(out.num_scheduled_tokens)
+
+
+def test_a_step_with_decodes_gives_prefills_only_the_time_the_target_leaves() -> None:
+    scheduler = _scheduler(target_ms=40)
+    for i in range(4):
+        scheduler.add_request(_request(f"d{i}", 8, 100 + 10 * i))
+    assert _step(scheduler) == {f"d{i}": 8 for i in range(4)}  # nobody decodes yet: the whole budget
+    scheduler.add_request(_request("long", 200, 1000))
+    # 4 decodes: 18 ms; the prompt gets 22 ms of 1-ms tokens.
+    assert _step(scheduler) == {**{f"d{i}": 1 for i in range(4)}, "long": 22}
+    assert _step(scheduler)["long"] == 22
+    unbounded = _scheduler(target_ms=0)
+    for i in range(4):
+        unbounded.add_request(_request(f"d{i}", 8, 100 + 10 * i))
+    _step(unbounded)
+    unbounded.add_request(_request("long", 200, 1000))
+    assert _step(unbounded)["long"] == 200
+
+
+def test_a_prompt_moves_by_a_token_a_step_even_when_no_token_fits() -> None:
+    slow_prefill = CostModel({"const": 0.010, "prefill_tokens": 1.0, "decode_seqs": 0.002})
+    scheduler = _scheduler(target_ms=40, model=slow_prefill)
+    scheduler.add_request(_request("d", 8, 100))
+    _step(scheduler)
+    scheduler.add_request(_request("a", 50, 1000))
+    scheduler.add_request(_request("b", 50, 2000))
+    assert _step(scheduler) == {"d": 1, "a": 1}  # the second prompt waits: one token is over time
+    assert _step(scheduler) == {"d": 1, "a": 1}
+
+
+def test_a_plans_shape_counts_what_the_step_computes() -> None:
+    decode, prompt_end, chunk = _request("d", 8, 100), _request("p", 10, 200), _request("c", 30, 300)
+    decode.num_computed_tokens, prompt_end.num_computed_tokens = 8, 4
+    decode.append_output_token(7)  # 9 tokens, 8 computed: a decode
+    plan = StepPlan(64, StepBudget(0.05, LINEAR), [decode])
+    assert plan.time_left == pytest.approx(0.050 - 0.012)
+    plan.take(decode, 1, [], 8)
+    plan.take(prompt_end, 6, [], 4)  # the rest of its prompt: it samples
+    plan.take(chunk, 12, [], 0)  # a chunk: it does not
+    assert plan.time_left == pytest.approx(0.038 - 0.018)
+    assert plan.budget == 64 - 19
+    requests = {r.request_id: r for r in (decode, prompt_end, chunk)}
+    assert plan.shape(requests) == StepShape(num_seqs=3, prefill_tokens=18, decode_seqs=1, kv_tokens=9,
+                                             prefill_attn=6 * 10 + 12 * 12, prefills=2, sampled=2)
+
+
+def test_whole_prefill_policies_ignore_the_target() -> None:
+    scheduler = _scheduler(target_ms=40, chunked=False)
+    assert scheduler.step_budget is None
+
+
+def test_in_the_simulator_no_step_with_decodes_outlasts_the_target() -> None:
+    """Decodes of 8 requests take 26 ms; long prompts keep arriving. With a 60 ms target every step
+    that carries a decode ends within 60 ms (the refits reproduce the simulator's own model); without
+    it, steps of the whole 512-token budget take about half a second."""
+    workload = [RequestSpec(arrival_time=0.05 * i, prompt_tokens=300 if i % 2 else 16, output_tokens=40)
+                for i in range(40)]
+
+    def longest_decode_step(target_ms: float) -> float:
+        limits = EngineLimits(num_kv_blocks=2048, block_size=16, max_model_len=1024, max_num_seqs=8,
+                              max_num_batched_tokens=512, target_itl_ms=target_ms)
+        result = simulate(workload, limits, "fcfs", LINEAR)
+        assert all(len(r.chunk_times) == 40 for r in result.records)
+        return max(s.duration for s in result.steps if s.decode_seqs)
+
+    assert longest_decode_step(60) <= 0.060 + 1e-9
+    assert longest_decode_step(0) > 0.45
