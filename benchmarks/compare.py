@@ -30,6 +30,7 @@ _SERVING_FIGURES = (
     ("median_ttft_ms", "TTFT p50 ms", False),
     ("p99_ttft_ms", "TTFT p99 ms", False),
     ("median_itl_ms", "ITL p50 ms", False),
+    ("p99_itl_ms", "ITL p99 ms", False),
     ("median_tpot_ms", "TPOT p50 ms", False),
     ("median_e2el_ms", "E2E p50 ms", False),
 )
