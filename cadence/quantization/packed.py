@@ -76,7 +76,7 @@ class QuantizedRowStack:
 def pack_rows(parts: list[BlockCodes]) -> QuantizedMatrix | QuantizedRowStack:
     """Row blocks stacked (a fused weight): one matrix where their formats match, else one per run
     of parts in the same format."""
-    matrices = tuple(pack(concat_rows(list(run))) for _, run in itertools.groupby(parts, key=_form))
+    matrices = tuple(pack(concat_rows(list(run)), bare=form[2]) for form, run in itertools.groupby(parts, key=_form))
     return matrices[0] if len(matrices) == 1 else QuantizedRowStack(matrices)
 
 
@@ -88,12 +88,14 @@ def _steps_per_high_vector(bits: int) -> int:
     return 8 if bits == 5 else 4
 
 
-def pack(weight: BlockCodes, cols: int | None = None) -> QuantizedMatrix:
-    """``weight`` in the kernel's layout; ``cols``: the logical input width where the codes pad it."""
+def pack(weight: BlockCodes, cols: int | None = None, *, bare: bool | None = None) -> QuantizedMatrix:
+    """``weight`` in the kernel's layout; ``cols``: the logical input width where the codes pad it;
+    ``bare``: whether the format is symmetric, when the caller already knows (else found here)."""
     rows, width = weight.shape
     groups, blocks, steps = -(-rows // _GROUP_ROWS), width // weight.block, weight.block // 4
     panels, pad = groups * _GROUP_PANELS, groups * _GROUP_ROWS - rows
-    bare = symmetric(weight)
+    if bare is None:
+        bare = symmetric(weight)
 
     def panel_major(t: torch.Tensor) -> torch.Tensor:  # [rows, ...] -> [panels, 16, ...], zero rows appended
         return F.pad(t, (0, 0, 0, pad)).view(panels, LANES, *t.shape[1:])

@@ -183,3 +183,13 @@ def test_fused_parts_of_different_formats_stay_in_their_own_layouts() -> None:
     parts = [quantized_linear(x, m, b) for m, b in zip(stack.parts, bias.split([140, 30]), strict=True)]
     assert out.shape == (3, 170) and torch.equal(out, torch.cat(parts, dim=-1))
     assert torch.allclose(out, x @ weight.T + bias, rtol=1e-4, atol=1e-4 * float((x.abs() @ weight.abs().T).max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("bits", "block"), [(6, 32), (4, 16), (3, 32)])
+def test_the_kernel_refuses_forms_it_has_no_code_for(bits: int, block: int) -> None:
+    bytes_per_block = 64 + 16 * block * bits // 8
+    weights = torch.zeros(1, 64 // block, 4, bytes_per_block, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=f"no kernel for {bits}-bit codes in blocks of {block}"):
+        torch.ops.cadence_cpu.quant_linear(torch.zeros(1, 64), weights, None, 16, bits, block, False)
+    assert (bits, block) not in FORMS

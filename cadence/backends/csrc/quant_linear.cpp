@@ -269,36 +269,34 @@ void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, i
   });
 }
 
-// run<Format<bits, block, symmetric>, T>(args...) for the formats packed.py makes; false for others.
-template <typename T, typename... Args>
-bool run_format(int64_t bits, int64_t block, bool symmetric, Args&&... args) {
-  const auto as = [&](auto format) {
-    run<decltype(format), T>(args...);
-    return true;
-  };
-  const int64_t form = bits * 100 + block;
-  if (symmetric) {
-    if (form == 432) return as(Format<4, 32, true>{});
-    if (form == 532) return as(Format<5, 32, true>{});
-    if (form == 832) return as(Format<8, 32, true>{});
-    if (form == 616) return as(Format<6, 16, true>{});
-    if (form == 816) return as(Format<8, 16, true>{});
-  } else {
-    if (form == 432) return as(Format<4, 32, false>{});
-    if (form == 532) return as(Format<5, 32, false>{});
-    if (form == 832) return as(Format<8, 32, false>{});
-    if (form == 616) return as(Format<6, 16, false>{});
-    if (form == 816) return as(Format<8, 16, false>{});
-  }
+// The (bits, block) forms packed.py makes (blocks.FORMS), each with and without minimums: the one
+// list both the argument check and the dispatch read.
+#define CADENCE_QUANT_FORMS(X) X(4, 32) X(5, 32) X(8, 32) X(6, 16) X(8, 16)
+
+bool has_format(int64_t bits, int64_t block) {
+#define CADENCE_IS_FORM(B, K) if (bits == B && block == K) return true;
+  CADENCE_QUANT_FORMS(CADENCE_IS_FORM)
+#undef CADENCE_IS_FORM
   return false;
+}
+
+// run<Format<bits, block, symmetric>, T>(args...) for a form has_format accepts.
+template <typename T, typename... Args>
+void run_format(int64_t bits, int64_t block, bool symmetric, Args&&... args) {
+#define CADENCE_RUN_FORM(B, K)                                                   \
+  if (bits == B && block == K) {                                                 \
+    symmetric ? run<Format<B, K, true>, T>(args...) : run<Format<B, K, false>, T>(args...); \
+    return;                                                                      \
+  }
+  CADENCE_QUANT_FORMS(CADENCE_RUN_FORM)
+#undef CADENCE_RUN_FORM
 }
 
 // x [M, K] float32 or bfloat16, packed uint8 [ceil(N/64), K/block, 4, bytes] (bytes: 32 or 64 +
 // 16 * block * bits / 8), bias [N] of x's dtype or None -> [M, N] of x's dtype.
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                         int64_t out_features, int64_t bits, int64_t block, bool symmetric) {
-  TORCH_CHECK((bits == 4 || bits == 5 || bits == 6 || bits == 8) && (block == 16 || block == 32),
-              "quant_linear: no kernel for ", bits, "-bit codes in blocks of ", block);
+  TORCH_CHECK(has_format(bits, block), "quant_linear: no kernel for ", bits, "-bit codes in blocks of ", block);
   const int64_t block_bytes = (symmetric ? 1 : 2) * 2 * kLanes + kLanes * block * bits / 8;
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == kGroupPanels && packed.size(3) == block_bytes &&
@@ -319,8 +317,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
     const uint8_t* w = packed.data_ptr<uint8_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* b = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    const bool ran = run_format<scalar_t>(bits, block, symmetric, q, rows, cols, w, groups, blocks, o, out_features, b);
-    TORCH_CHECK(ran, "quant_linear: no kernel for ", bits, "-bit codes in blocks of ", block);
+    run_format<scalar_t>(bits, block, symmetric, q, rows, cols, w, groups, blocks, o, out_features, b);
   });
   return out;
 }
