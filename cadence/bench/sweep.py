@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.bench import serve
+from cadence.bench.plotting import pyplot
 
 # (key of BenchmarkMetrics.to_dict(), column title) of each table column after the rate.
 _COLUMNS = (
@@ -42,12 +43,12 @@ def parse_servers(items: Sequence[str]) -> dict[str, str]:
     """
     servers: dict[str, str] = {}
     for item in items:
-        name, sep, url = item.partition("=")
-        if not sep or not name.strip() or not url.strip():
+        name, sep, url = (part.strip() for part in item.partition("="))
+        if not sep or not name or not url:
             raise ValueError(f"--server takes NAME=URL, got {item!r}")
         if name in servers:
             raise ValueError(f"--server name {name!r} is given twice")
-        servers[name.strip()] = url.strip().rstrip("/")
+        servers[name] = url.rstrip("/")
     return servers
 
 
@@ -111,13 +112,7 @@ def plot(curves: Mapping[str, Curve], path: str | Path) -> None:
 
     :raises RuntimeError: if matplotlib is missing (install ``cadence[sim]``).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError("the plot needs matplotlib: pip install 'cadence[sim]'") from exc
+    plt = pyplot()
     finite = [p["request_rate"] for c in curves.values() for p in c if math.isfinite(p["request_rate"])]
     stand_in = 2 * max(finite, default=1.0)
     panels = list(_PANELS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from cadence.core.cost_model import StepShape, step_shape
 from cadence.core.step_budget import StepBudget
@@ -16,7 +16,7 @@ from cadence.request import Request
 class StepPlan:
     budget: int  # tokens left
     step_budget: StepBudget | None = None
-    running: Sequence[Request] = ()  # when the step began: its decodes set the prefills' time
+    running: InitVar[Sequence[Request]] = ()  # when the step began: its decodes set the prefills' time
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # per KV cache group
     preempted: list[Request] = field(default_factory=list)
@@ -25,10 +25,10 @@ class StepPlan:
     time_left: float = math.inf
     has_prefill: bool = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, running: Sequence[Request]) -> None:
         if self.step_budget is not None:
             self.time_left = self.step_budget.prefill_time(
-                [r.num_tokens for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
+                [r.num_tokens for r in running if r.num_tokens - r.num_computed_tokens == 1])
 
     def token_budget(self, request: Request, start: int) -> int:
         """What ``request``, computed up to ``start``, may draw on: the tokens left, and for a prefill

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from cadence.bench.plotting import pyplot
 from cadence.sim.simulator import SimResult
 
 _ROWS = [
@@ -72,13 +73,7 @@ def plot(results: Sequence[SimResult], folder: str | Path) -> list[Path]:
 
     :raises RuntimeError: if matplotlib is missing (install ``cadence[sim]``).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError("plots need matplotlib: pip install 'cadence[sim]' (or pass --no-plots)") from exc
+    plt = pyplot(" (or pass --no-plots)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from support.sse_server import TOKENS_PER_REPLY
 
 from cadence.bench import sweep
 from cadence.bench.datasets import SHAREGPT_LIKE, LengthMix, length_mix_requests
+from cadence.bench.plotting import pyplot
 from cadence.sim.workload import LengthDist
 
 
@@ -44,11 +46,19 @@ def test_every_server_runs_every_rate_on_the_same_requests(server: str, tmp_path
     assert [line.split()[:2] for line in table[-5:-1]] == [["a", "50"], ["a", "inf"], ["b", "50"], ["b", "inf"]]
 
 
-@pytest.mark.parametrize(("items", "message"), [(["a"], "NAME=URL"), (["=u"], "NAME=URL"),
-                                                (["a=u", "a=v"], "given twice")])
+@pytest.mark.parametrize(("items", "message"), [(["a"], "NAME=URL"), (["=u"], "NAME=URL"), ([" =u"], "NAME=URL"),
+                                                (["a=u", "a=v"], "given twice"), (["a=u", "a =v"], "given twice")])
 def test_bad_servers_are_refused(items: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         sweep.parse_servers(items)
+
+
+def test_a_missing_matplotlib_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(RuntimeError, match=r"plots need matplotlib: pip install 'cadence\[sim\]'$"):
+        sweep.plot({"a": []}, tmp_path / "curve.png")
+    with pytest.raises(RuntimeError, match=r"\(or pass --no-plots\)"):
+        pyplot(" (or pass --no-plots)")
 
 
 def test_rates_are_positive_numbers_or_inf() -> None:
