@@ -10,7 +10,9 @@ first), SIGKILL after a timeout.
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import anyio
@@ -50,9 +52,20 @@ class ZmqCoreClient(EngineCoreClient):
             self._context, self.addresses.input, EngineCoreInput, bind=False, unbounded=True)
         self.outputs: ZmqReceiveChannel[Any] = ZmqReceiveChannel(
             self._context, self.addresses.output, EngineCoreEvent, bind=False)
+        self._exit_code: Future[int | None] | None = None
 
     def start(self) -> None:
         self.process.start()
+        # One thread reaps the process and everyone else waits on its result: two concurrent joins
+        # race in waitpid, and the loser reads no exit code (nor knows the process is dead).
+        exit_code: Future[int | None] = Future()
+        self._exit_code = exit_code
+
+        def reap() -> None:
+            self.process.join()
+            exit_code.set_result(self.process.exitcode)
+
+        threading.Thread(target=reap, name=f"{self.process.name}-reaper", daemon=True).start()
 
     async def wait_ready(self, timeout_s: float) -> EngineCoreReady:
         """Wait for the engine core's ready message; it sets :attr:`num_blocks`.
@@ -95,19 +108,20 @@ class ZmqCoreClient(EngineCoreClient):
 
     async def _wait_exit(self) -> int | None:
         """Block (without CPU) until the process exits; its exit code."""
-        await anyio.to_thread.run_sync(self.process.join, abandon_on_cancel=True)
-        return self.process.exitcode
+        assert self._exit_code is not None, "the process was never started"
+        return await anyio.to_thread.run_sync(self._exit_code.result, abandon_on_cancel=True)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (the engine core stops its workers, within ``timeout_s``), else SIGKILL."""
         self.inputs.close()
         self.outputs.close()
-        if self.process.is_alive():
+        if self._exit_code is not None and not self._exit_code.done():
             self.process.terminate()
-            self.process.join(timeout_s)
-            if self.process.is_alive():
+            try:
+                self._exit_code.result(timeout_s)
+            except TimeoutError:
                 self.process.kill()
-                self.process.join()
+                self._exit_code.result()
         self._context.term()
         # The engine core exits without closing its bound sockets' files.
         self.addresses.remove_files()
