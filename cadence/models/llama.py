@@ -35,6 +35,7 @@ from cadence.distributed.layers import (
     load_parameter,
 )
 from cadence.distributed.partition import even_split, head_shard
+from cadence.models.decoder_stack import DecoderStack, build_decoder_stack
 from cadence.models.layers import RMSNorm, RotaryEmbedding, StepRope, head_dim_of, kernels, layer_windows
 from cadence.models.registry import CausalLM
 
@@ -178,6 +179,8 @@ class LlamaForCausalLM(CausalLM):
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, group, dtype, device,
                                                   lookups=False)
+        # The layers as one C++ call, where they all run on the CPU kernels (set by weights_ready).
+        self.decoder_stack: DecoderStack | None = None
 
     def _mlp(self, layer: int, group: ParallelGroup, dtype: torch.dtype, device: torch.device | str,
              fused: bool) -> nn.Module:
@@ -216,8 +219,11 @@ class LlamaForCausalLM(CausalLM):
         """
         rope = self.rotary_emb(positions)
         h, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache, metadata in zip(self.model.layers, kv_caches, attn_metadata, strict=True):
-            h, residual = layer(h, residual, rope, kv_cache, metadata)
+        if self.decoder_stack is not None and self.decoder_stack.runs(kv_caches):
+            h, residual = self.decoder_stack(h, positions, kv_caches, attn_metadata)
+        else:
+            for layer, kv_cache, metadata in zip(self.model.layers, kv_caches, attn_metadata, strict=True):
+                h, residual = layer(h, residual, rope, kv_cache, metadata)
         # The norm is per token and the LM head is the largest GEMM: run both on sampled rows only.
         assert residual is not None  # every model has layers
         h, _ = self.model.norm.add_forward(h[logits_indices], residual[logits_indices])
@@ -234,6 +240,9 @@ class LlamaForCausalLM(CausalLM):
 
     def _expected_shards(self) -> set[tuple[str, int]]:
         return expected_shards(self)
+
+    def weights_ready(self) -> None:
+        self.decoder_stack = build_decoder_stack(self)
 
 
 def layer_backends(config: PretrainedConfig, backend_cls: type[AttentionBackend], group: ParallelGroup, scale: float,

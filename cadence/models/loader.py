@@ -288,6 +288,7 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     pack_weights(model, int8=quantization == "int8")
+    model.weights_ready()
     return model
 
 

@@ -47,6 +47,10 @@ class CausalLM(nn.Module, abc.ABC):
         writing K/V through the backend, layer ``i`` with ``kv_caches[i]`` and ``attn_metadata[i]``
         (its KV cache group's); fp32 logits ``[len(logits_indices), vocab]``."""
 
+    def weights_ready(self) -> None:
+        """Called by the loader once the weights are final (loaded, then packed or quantized): a
+        model may prepare what depends on them. Nothing by default."""
+
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy Hugging Face-named tensors (this rank's shard of each) into the parameters.

@@ -162,10 +162,15 @@ def _kernel() -> Any | None:
     return ops.quant_linear if ops is not None and ops.quant_linear_supported() else None
 
 
+def kernel_available() -> bool:
+    """Whether the kernel runs here (a CPU with AVX512-VNNI, the kernels built)."""
+    return _kernel() is not None
+
+
 def kernel_runs(x: torch.Tensor) -> bool:
     """Whether ``x @ W.T`` goes through the kernel: ``x`` of the CPU kernels' devices and dtypes, on a
     CPU with AVX512-VNNI."""
-    return runs_kernels(x.device, x.dtype) and _kernel() is not None
+    return runs_kernels(x.device, x.dtype) and kernel_available()
 
 
 def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix | QuantizedRowStack,

@@ -1,0 +1,80 @@
+"""The decoder layers as one C++ call (cadence/models/decoder_stack.py) against the Python layer loop
+it replaces: the same logits and the same KV caches, bit for bit, for every kind of weight it takes;
+and the models it must leave to the loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from support.ggml_blocks import QUANTIZED, Q, write_tiny_gguf
+from support.paged_harness import CPU, PagedHarness
+
+from cadence import LLM
+from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.registry import load_backend
+from cadence.models.llama import LlamaForCausalLM
+from cadence.models.loader import load_hf_config, load_model
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the C++ kernels need an AVX-512 CPU")
+
+# Ragged prompts in one step, a chunk over a cached prefix beside decodes, then decodes.
+_STEPS = [{"a": 5, "b": 11}, {"a": 1, "b": 1, "c": 9}, {"c": 4, "a": 1, "b": 1}, {"a": 1, "b": 1, "c": 1}]
+_LENGTHS = {"a": 8, "b": 14, "c": 15}
+
+
+def _both_ways(model: LlamaForCausalLM) -> None:
+    """Run the steps with the stack, then with the Python loop on fresh caches: equal everything."""
+    assert model.decoder_stack is not None, "the stack must be built for this model"
+    gen = torch.Generator().manual_seed(0)
+    tokens = {rid: torch.randint(0, 320, (n,), generator=gen).tolist() for rid, n in _LENGTHS.items()}
+    runs = []
+    for stack in (model.decoder_stack, None):
+        model.decoder_stack = stack
+        harness = PagedHarness(model, block_size=4)
+        runs.append(([harness.step(tokens, step) for step in _STEPS], harness.kv_caches))
+    (stack_logits, stack_caches), (loop_logits, loop_caches) = runs
+    for ours, theirs in zip(stack_logits, loop_logits, strict=True):
+        assert torch.equal(ours, theirs)
+    for (k1, v1), (k2, v2) in zip(stack_caches, loop_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def _load(folder: Path, dtype: torch.dtype, quantization: str = "none") -> LlamaForCausalLM:
+    backend = load_backend("sdpa", CPU, dtype, 16, 4)
+    model = load_model(str(folder), load_hf_config(str(folder)), dtype, CPU, backend, quantization=quantization)
+    assert isinstance(model, LlamaForCausalLM)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize(("dtype", "quantization"), [(torch.float32, "none"), (torch.bfloat16, "none"),
+                                                      (torch.bfloat16, "int8")], ids=["fp32", "bf16", "int8"])
+def test_the_stack_is_the_layer_loop_bit_for_bit(make_tiny_model: Callable[..., Path], arch: str,
+                                                 dtype: torch.dtype, quantization: str) -> None:
+    """fp32 runs F.linear, bf16 the packed GEMM, int8 the quantized kernel; qwen2 has q/k/v biases,
+    mistral a sliding window (shorter than the prompts here), qwen3 per-head q/k norms."""
+    overrides = {"sliding_window": 6} if arch == "mistral" else {}
+    _both_ways(_load(make_tiny_model(arch, **overrides), dtype, quantization))
+
+
+@pytest.mark.parametrize("kinds", [[Q.Q4_1], [*QUANTIZED]], ids=["one-format", "mixed-formats"])
+def test_the_stack_runs_gguf_weights_as_the_loop(kinds: list[Q], tmp_path: Path) -> None:
+    """A fused q/k/v or gate/up whose parts come in different formats is a stack of matrices."""
+    llm = LLM(model=str(write_tiny_gguf(tmp_path / "tiny.gguf", kinds)), dtype="bfloat16", num_kv_blocks=64)
+    model = llm.engine_core.executor.worker.runner.model
+    stacked = [m for m in model.modules() if type(getattr(m, "weight", None)).__name__ == "QuantizedRowStack"]
+    assert bool(stacked) == (len(kinds) > 1)
+    _both_ways(model)
+
+
+def test_models_the_kernels_do_not_run_whole_keep_the_loop(make_tiny_model: Callable[..., Path]) -> None:
+    # a mixture of experts; RoPE over part of each head (the kernel turns whole heads)
+    moe = _load(make_tiny_model("qwen3_moe"), torch.bfloat16)
+    partial = _load(make_tiny_model("phi3", partial_rotary_factor=0.5), torch.bfloat16)
+    # the torch attention path: a head size the kernels do not take
+    odd_heads = _load(make_tiny_model("llama", head_dim=24), torch.bfloat16)
+    assert moe.decoder_stack is None and partial.decoder_stack is None and odd_heads.decoder_stack is None
+    assert _load(make_tiny_model("llama"), torch.bfloat16).decoder_stack is not None
