@@ -5,30 +5,27 @@ tensors, ``torch.ops`` calls): 3-4 ms of a 10-15 ms decode step of one request o
 where the kernels themselves take the rest. The C++ stack runs the same kernels, in the same order,
 with the same arguments, so its outputs are the loop's bit for bit; it only saves the dispatching.
 
-It is built once the weights are final (:meth:`LlamaForCausalLM.weights_ready
-<cadence.models.llama.LlamaForCausalLM.weights_ready>`), and only where every layer runs on the CPU
-kernels exactly as the loop would: Llama's own layer, attention and dense MLP modules, the fused
-norms, SiLU and RoPE kernels, the SDPA backend's paged-attention kernels, weights that are plain
-(F.linear), packed for the bf16 GEMM or quantized, and one rank. Anything else (tensor
-parallelism, mixtures of experts, partial rotary, oneDNN-packed weights, other backends) keeps the
-Python loop.
+The Llama family builds it once the weights are final (``LlamaForCausalLM.weights_ready``), layer
+by layer, and only where every layer runs on the CPU kernels exactly as the loop would: Llama's own
+layer, attention and dense MLP modules (the model checks those), the fused norms, SiLU and RoPE
+kernels, the SDPA backend's paged-attention kernels, weights that are plain (F.linear), packed for
+the bf16 GEMM or quantized, and one rank (checked here). Anything else (tensor parallelism,
+mixtures of experts, partial rotary, oneDNN-packed weights, other backends) keeps the Python loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
+from cadence.backends.base import AttentionBackend
 from cadence.backends.cpu_kernels import KERNEL_DTYPES, cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend, SDPAMetadata
 from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from cadence.models.layers import RMSNorm, RotaryEmbedding
 from cadence.quantization.packed import QuantizedMatrix, QuantizedRowStack, kernel_available
-
-if TYPE_CHECKING:
-    from cadence.models.llama import LlamaForCausalLM
 
 # The kinds of weight the C++ Linear takes (decoder_stack.cpp: kDense, kPanels, kQuant).
 _DENSE, _PANELS, _QUANT = 0, 1, 2
@@ -41,6 +38,34 @@ class DecoderStack:
         self._native = native
         self._rotary = rotary
         self._dtype = dtype
+
+    @classmethod
+    def start(cls, rotary: RotaryEmbedding, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+              head_dim: int) -> DecoderStack | None:
+        """An empty stack for layers of these shapes, or None where the kernels cannot run them:
+        no kernels here, RoPE over part of each head, a head size the attention kernel lacks."""
+        if (cpu_ops() is None or not rotary.kernel_rotates or dtype not in KERNEL_DTYPES
+                or head_dim % 16 or head_dim > 256):
+            return None
+        return cls(_classes().DecoderStack(num_heads, num_kv_heads, head_dim), rotary, dtype)
+
+    def add_layer(self, linears: Sequence[ColumnParallelLinear | RowParallelLinear], norms: Sequence[RMSNorm],
+                  backend: AttentionBackend) -> bool:
+        """Append a layer: its q/k/v, o, gate/up and down projections, its input and post-attention
+        norms (then q and k's per-head norms, Qwen3), its attention backend. False, and nothing
+        appended, where the kernels cannot run it as the loop does."""
+        if type(backend) is not SDPABackend or any(m.group.world_size > 1 for m in linears
+                                                   if isinstance(m, RowParallelLinear)):
+            return False
+        if not all(type(norm) is RMSNorm and norm.fused and norm.eps == norms[0].eps for norm in norms):
+            return False
+        native = [_native_linear(m) for m in linears]
+        if any(linear is None for linear in native):
+            return False
+        q_norm, k_norm = (norms[2].weight, norms[3].weight) if len(norms) == 4 else (None, None)
+        self._native.add_layer(*native, norms[0].weight, norms[1].weight, q_norm, k_norm, norms[0].eps, backend.scale,
+                               backend.sliding_window or 0, backend.logits_soft_cap or 0.0)
+        return True
 
     def runs(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether the paged-attention kernels read these caches (as the backend checks per layer)."""
@@ -55,41 +80,6 @@ class DecoderStack:
             h, positions, self._rotary.cos, self._rotary.sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
             [m.slot_mapping for m in meta], [m.block_table for m in meta], [m.token_requests for m in meta],
             [m.token_seq_lens for m in meta]))
-
-
-def build_decoder_stack(model: LlamaForCausalLM) -> DecoderStack | None:
-    """The C++ stack of ``model``'s layers, or None where the Python loop must run them (see the
-    module's docstring)."""
-    from cadence.models.llama import MLP, Attention, DecoderLayer  # llama imports this module
-
-    ops = cpu_ops()
-    rotary = model.rotary_emb
-    if ops is None or not rotary.kernel_rotates or model.dtype not in KERNEL_DTYPES:
-        return None
-    if model.head_dim % 16 or model.head_dim > 256:  # the paged-attention kernel's head sizes
-        return None
-    layers = list(model.model.layers)
-    if not all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention and type(layer.mlp) is MLP
-               for layer in layers):
-        return None
-    first = cast(Attention, layers[0].self_attn)
-    native = _classes().DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim)
-    for layer in cast(list[DecoderLayer], layers):
-        attention, mlp = layer.self_attn, cast(MLP, layer.mlp)
-        if not (mlp.fused and type(attention.backend) is SDPABackend and attention.o_proj.group.world_size == 1):
-            return None
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, *(attention._qk_norm or ())]
-        if not all(type(norm) is RMSNorm and norm.fused and norm.eps == norms[0].eps for norm in norms):
-            return None
-        linears = [_native_linear(m) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(linear is None for linear in linears):
-            return None
-        q_norm, k_norm = (norm.weight for norm in attention._qk_norm) if attention._qk_norm else (None, None)
-        backend = attention.backend
-        native.add_layer(*linears, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm,
-                         k_norm, norms[0].eps, backend.scale, backend.sliding_window or 0,
-                         backend.logits_soft_cap or 0.0)
-    return DecoderStack(native, rotary, model.dtype)
 
 
 def _native_linear(module: ColumnParallelLinear | RowParallelLinear) -> Any | None:

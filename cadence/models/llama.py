@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from cadence.distributed.layers import (
     load_parameter,
 )
 from cadence.distributed.partition import even_split, head_shard
-from cadence.models.decoder_stack import DecoderStack, build_decoder_stack
+from cadence.models.decoder_stack import DecoderStack
 from cadence.models.layers import RMSNorm, RotaryEmbedding, StepRope, head_dim_of, kernels, layer_windows
 from cadence.models.registry import CausalLM
 
@@ -242,7 +242,26 @@ class LlamaForCausalLM(CausalLM):
         return expected_shards(self)
 
     def weights_ready(self) -> None:
-        self.decoder_stack = build_decoder_stack(self)
+        self.decoder_stack = self._decoder_stack()
+
+    def _decoder_stack(self) -> DecoderStack | None:
+        """The layers as one C++ call (:mod:`cadence.models.decoder_stack`), or None where one of
+        them is not Llama's own (a mixture of experts, a family's own modules) or not the kernels'."""
+        layers = list(self.model.layers)
+        if not all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention and type(layer.mlp) is MLP
+                   and layer.mlp.fused for layer in layers):
+            return None
+        first = cast(Attention, layers[0].self_attn)
+        stack = DecoderStack.start(self.rotary_emb, self.dtype, first.num_heads, first.num_kv_heads, first.head_dim)
+        if stack is None:
+            return None
+        for layer in cast(list[DecoderLayer], layers):
+            attention, mlp = layer.self_attn, cast(MLP, layer.mlp)
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, *(attention._qk_norm or ())]
+            if not stack.add_layer([attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj],
+                                   cast(list[RMSNorm], norms), attention.backend):
+                return None
+        return stack
 
 
 def layer_backends(config: PretrainedConfig, backend_cls: type[AttentionBackend], group: ParallelGroup, scale: float,

@@ -15,6 +15,7 @@ from support.paged_harness import CPU, PagedHarness
 from cadence import LLM
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.backends.registry import load_backend
+from cadence.models.decoder_stack import DecoderStack
 from cadence.models.llama import LlamaForCausalLM
 from cadence.models.loader import load_hf_config, load_model
 
@@ -27,7 +28,7 @@ _LENGTHS = {"a": 8, "b": 14, "c": 15}
 
 def _both_ways(model: LlamaForCausalLM) -> None:
     """Run the steps with the stack, then with the Python loop on fresh caches: equal everything."""
-    assert model.decoder_stack is not None, "the stack must be built for this model"
+    assert isinstance(model.decoder_stack, DecoderStack), "the stack must be built for this model"
     gen = torch.Generator().manual_seed(0)
     tokens = {rid: torch.randint(0, 320, (n,), generator=gen).tolist() for rid, n in _LENGTHS.items()}
     runs = []
