@@ -40,6 +40,8 @@ class ModelConfig:
     # quantized types (read from ``gguf_file``), or int8 per output channel (docs/quantization.md).
     quantization: str = "none"
     gguf_file: str | None = None
+    # Run the layers op by op from Python, never as the model's faster path (models/decoder_stack.py).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {self.dtype!r}")

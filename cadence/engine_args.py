@@ -62,6 +62,9 @@ class EngineArgs:
         "how weights are kept: auto keeps a .gguf file's quantized types on the CPU (gguf) and runs other "
         "models in --dtype (none); int8 quantizes the linear layers per output channel (docs/quantization.md)",
         choices=["auto", *QUANTIZATIONS], aliases=["-q"]))
+    enforce_eager: bool = field(default=False, metadata=_flag(
+        "run the model's layers from Python op by op, not as one C++ call per step (vLLM's flag for its graphs; "
+        "docs/performance.md)"))
     max_model_len: int | None = field(default=None, metadata=_flag("context length (default: the model's)"))
     seed: int = field(default=0, metadata=_flag("global random seed"))
     block_size: int = field(default=16, metadata=_flag("tokens per KV cache block"))
@@ -115,7 +118,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(path=path, dtype=resolve_dtype(self.dtype), max_model_len=max_model_len,
                               seed=self.seed, quantization=quantization,
-                              gguf_file=gguf_file),
+                              gguf_file=gguf_file, enforce_eager=self.enforce_eager),
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory=None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory),

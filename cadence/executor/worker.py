@@ -62,7 +62,7 @@ class Worker:
         progress("loading weights: %s (%s, %s backend)", config.model.gguf_file or config.model.path, weights,
                  backend_cls.name)
         model = load_model(config.model.path, hf_config, dtype, device, backend_cls, group, quantization,
-                           config.model.gguf_file)
+                           config.model.gguf_file, config.model.enforce_eager)
         num_kv_heads = model.num_kv_heads  # this rank's
         # Every rank sizes its pool for rank 0's KV heads (no rank holds more), so all ranks agree on
         # the block count the allocator hands out.

@@ -23,7 +23,7 @@ whole on every rank.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from cadence.backends.base import AttentionBackend
 from cadence.backends.cpu_kernels import runs_kernels
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.layers import CheckpointTensor, VocabParallelEmbedding
+from cadence.models.decoder_stack import DecoderStack, LayerParts, build_stack
 from cadence.models.layers import GemmaRMSNorm, RotaryEmbedding, StepRope, head_dim_of
 from cadence.models.llama import MLP, Attention, layer_backends, load_checkpoint
 from cadence.models.registry import CausalLM
@@ -121,6 +122,8 @@ class Gemma2ForCausalLM(CausalLM):
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, group, dtype, device,
                                                   lookups=False)
+        # The layers as one C++ call, where they all run on the CPU kernels (set by prepare_fast_path).
+        self.decoder_stack: DecoderStack | None = None
 
     @staticmethod
     def _rope_kinds(config: PretrainedConfig) -> list[str]:
@@ -139,9 +142,12 @@ class Gemma2ForCausalLM(CausalLM):
         """As :meth:`cadence.models.llama.LlamaForCausalLM.forward`."""
         ropes = {kind: rotary(positions) for kind, rotary in self.rotary_emb.items()}
         h = self.model.embed_tokens(input_ids) * self.embed_scale
-        for layer, kind, kv_cache, metadata in zip(self.model.layers, self.rope_kinds, kv_caches, attn_metadata,
-                                                   strict=True):
-            h = layer(h, ropes[kind], kv_cache, metadata)
+        if self.decoder_stack is not None and self.decoder_stack.runs(kv_caches):
+            h, _ = self.decoder_stack(h, positions, kv_caches, attn_metadata)
+        else:
+            for layer, kind, kv_cache, metadata in zip(self.model.layers, self.rope_kinds, kv_caches, attn_metadata,
+                                                       strict=True):
+                h = layer(h, ropes[kind], kv_cache, metadata)
         logits = self._lm_head.logits(self.model.norm(h[logits_indices])).float()
         if self.final_soft_cap is not None:
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
@@ -150,6 +156,30 @@ class Gemma2ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """As :meth:`cadence.models.llama.LlamaForCausalLM.load_weights`."""
         load_checkpoint(self, weights, self.tie_word_embeddings)
+
+    def prepare_fast_path(self) -> None:
+        self.decoder_stack = self._decoder_stack()
+
+    def _decoder_stack(self) -> DecoderStack | None:
+        """The layers as one C++ call (:mod:`cadence.models.decoder_stack`), or None where one of
+        them is not Gemma's own, its activation not GeLU-tanh, or it does not run on the kernels."""
+        layers = list(self.model.layers)
+        if self.config.hidden_activation != "gelu_pytorch_tanh" or not all(
+                type(layer) is GemmaDecoderLayer and type(layer.self_attn) is GemmaAttention and type(layer.mlp) is MLP
+                for layer in layers):
+            return None
+        first = cast(GemmaAttention, layers[0].self_attn)
+        parts = (self._stack_parts(layer, kind)
+                 for layer, kind in zip(cast(list[GemmaDecoderLayer], layers), self.rope_kinds, strict=True))
+        return build_stack(self.dtype, first.num_heads, first.num_kv_heads, first.head_dim, parts)
+
+    def _stack_parts(self, layer: GemmaDecoderLayer, rope_kind: str) -> LayerParts:
+        attention, mlp = layer.self_attn, layer.mlp
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                 layer.post_feedforward_layernorm]
+        return LayerParts([attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj], norms,
+                          cast(tuple[GemmaRMSNorm, ...], attention._qk_norm or ()),
+                          cast(RotaryEmbedding, self.rotary_emb[rope_kind]), attention.backend)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -35,7 +35,7 @@ from cadence.distributed.layers import (
     load_parameter,
 )
 from cadence.distributed.partition import even_split, head_shard
-from cadence.models.decoder_stack import DecoderStack
+from cadence.models.decoder_stack import DecoderStack, LayerParts, build_stack
 from cadence.models.layers import RMSNorm, RotaryEmbedding, StepRope, head_dim_of, kernels, layer_windows
 from cadence.models.registry import CausalLM
 
@@ -179,7 +179,7 @@ class LlamaForCausalLM(CausalLM):
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, group, dtype, device,
                                                   lookups=False)
-        # The layers as one C++ call, where they all run on the CPU kernels (set by weights_ready).
+        # The layers as one C++ call, where they all run on the CPU kernels (set by prepare_fast_path).
         self.decoder_stack: DecoderStack | None = None
 
     def _mlp(self, layer: int, group: ParallelGroup, dtype: torch.dtype, device: torch.device | str,
@@ -241,7 +241,7 @@ class LlamaForCausalLM(CausalLM):
     def _expected_shards(self) -> set[tuple[str, int]]:
         return expected_shards(self)
 
-    def weights_ready(self) -> None:
+    def prepare_fast_path(self) -> None:
         self.decoder_stack = self._decoder_stack()
 
     def _decoder_stack(self) -> DecoderStack | None:
@@ -252,16 +252,14 @@ class LlamaForCausalLM(CausalLM):
                    and layer.mlp.fused for layer in layers):
             return None
         first = cast(Attention, layers[0].self_attn)
-        stack = DecoderStack.start(self.rotary_emb, self.dtype, first.num_heads, first.num_kv_heads, first.head_dim)
-        if stack is None:
-            return None
-        for layer in cast(list[DecoderLayer], layers):
-            attention, mlp = layer.self_attn, cast(MLP, layer.mlp)
-            norms = [layer.input_layernorm, layer.post_attention_layernorm, *(attention._qk_norm or ())]
-            if not stack.add_layer([attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj],
-                                   cast(list[RMSNorm], norms), attention.backend):
-                return None
-        return stack
+        return build_stack(self.dtype, first.num_heads, first.num_kv_heads, first.head_dim,
+                           (self._stack_parts(layer) for layer in cast(list[DecoderLayer], layers)))
+
+    def _stack_parts(self, layer: DecoderLayer) -> LayerParts:
+        attention, mlp = layer.self_attn, cast(MLP, layer.mlp)
+        return LayerParts([attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj],
+                          [layer.input_layernorm, layer.post_attention_layernorm],
+                          cast(tuple[RMSNorm, ...], attention._qk_norm or ()), self.rotary_emb, attention.backend)
 
 
 def layer_backends(config: PretrainedConfig, backend_cls: type[AttentionBackend], group: ParallelGroup, scale: float,

@@ -263,14 +263,16 @@ def load_model(
     group: ParallelGroup = SINGLE_RANK,
     quantization: str = "none",
     gguf_file: str | None = None,
+    enforce_eager: bool = False,
 ) -> CausalLM:
     """Build the model for ``hf_config`` on ``device`` and load every ``*.safetensors`` file of ``folder``.
 
     ``folder`` may also be a ``.gguf`` file (see :func:`resolve_model`). Under tensor parallelism
     (``group``) each rank builds and reads only its shard. ``quantization`` (``ModelConfig``'s):
     ``gguf`` keeps the quantized tensors of ``gguf_file`` as they are
-    (:mod:`cadence.models.gguf_weights`), ``int8`` quantizes the linear layers' weights. The model is
-    returned in eval mode with gradients off; run it under ``torch.inference_mode()``.
+    (:mod:`cadence.models.gguf_weights`), ``int8`` quantizes the linear layers' weights. Unless
+    ``enforce_eager``, the model then builds its faster path (:meth:`CausalLM.prepare_fast_path`). The
+    model is returned in eval mode with gradients off; run it under ``torch.inference_mode()``.
 
     :raises ConfigError: the folder has no safetensors files.
     :raises ValueError: unsupported architecture, or weights that do not fit it.
@@ -288,7 +290,8 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     pack_weights(model, int8=quantization == "int8")
-    model.weights_ready()
+    if not enforce_eager:
+        model.prepare_fast_path()
     return model
 
 

@@ -47,9 +47,10 @@ class CausalLM(nn.Module, abc.ABC):
         writing K/V through the backend, layer ``i`` with ``kv_caches[i]`` and ``attn_metadata[i]``
         (its KV cache group's); fp32 logits ``[len(logits_indices), vocab]``."""
 
-    def weights_ready(self) -> None:
-        """Called by the loader once the weights are final (loaded, then packed or quantized): a
-        model may prepare what depends on them. Nothing by default."""
+    def prepare_fast_path(self) -> None:
+        """Called by the loader once the weights are final (loaded, then packed or quantized), unless
+        ``--enforce-eager``: a model may build a faster way to run its layers than op by op from
+        Python (Llama's and Gemma's C++ decoder stack). Nothing by default."""
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:

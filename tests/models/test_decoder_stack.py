@@ -12,10 +12,11 @@ import torch
 from support.ggml_blocks import QUANTIZED, Q, write_tiny_gguf
 from support.paged_harness import CPU, PagedHarness
 
-from cadence import LLM
+from cadence import LLM, SamplingParams
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.backends.registry import load_backend
 from cadence.models.decoder_stack import DecoderStack
+from cadence.models.gemma import Gemma2ForCausalLM
 from cadence.models.llama import LlamaForCausalLM
 from cadence.models.loader import load_hf_config, load_model
 
@@ -26,7 +27,7 @@ _STEPS = [{"a": 5, "b": 11}, {"a": 1, "b": 1, "c": 9}, {"c": 4, "a": 1, "b": 1},
 _LENGTHS = {"a": 8, "b": 14, "c": 15}
 
 
-def _both_ways(model: LlamaForCausalLM) -> None:
+def _both_ways(model: LlamaForCausalLM | Gemma2ForCausalLM) -> None:
     """Run the steps with the stack, then with the Python loop on fresh caches: equal everything."""
     assert isinstance(model.decoder_stack, DecoderStack), "the stack must be built for this model"
     gen = torch.Generator().manual_seed(0)
@@ -43,22 +44,38 @@ def _both_ways(model: LlamaForCausalLM) -> None:
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def _load(folder: Path, dtype: torch.dtype, quantization: str = "none") -> LlamaForCausalLM:
+def _load(folder: Path, dtype: torch.dtype, quantization: str = "none") -> LlamaForCausalLM | Gemma2ForCausalLM:
     backend = load_backend("sdpa", CPU, dtype, 16, 4)
     model = load_model(str(folder), load_hf_config(str(folder)), dtype, CPU, backend, quantization=quantization)
-    assert isinstance(model, LlamaForCausalLM)
+    assert isinstance(model, LlamaForCausalLM | Gemma2ForCausalLM)
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+# qwen2 has q/k/v biases; mistral a sliding window (shorter than the prompts here); qwen3 per-head
+# q/k norms; gemma2 soft-capped scores and sliding layers between global ones; gemma3 q/k norms
+# scaled by 1 + weight and one RoPE table per layer kind.
+_GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6)
+_ARCHS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", dict(sliding_window=6)),
+    "qwen3": ("qwen3", {}),
+    "gemma2": ("gemma2", dict(_GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("gemma3_text", dict(_GEMMA, num_hidden_layers=3, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(_ARCHS))
 @pytest.mark.parametrize(("dtype", "quantization"), [(torch.float32, "none"), (torch.bfloat16, "none"),
                                                       (torch.bfloat16, "int8")], ids=["fp32", "bf16", "int8"])
 def test_the_stack_is_the_layer_loop_bit_for_bit(make_tiny_model: Callable[..., Path], arch: str,
                                                  dtype: torch.dtype, quantization: str) -> None:
-    """fp32 runs F.linear, bf16 the packed GEMM, int8 the quantized kernel; qwen2 has q/k/v biases,
-    mistral a sliding window (shorter than the prompts here), qwen3 per-head q/k norms."""
-    overrides = {"sliding_window": 6} if arch == "mistral" else {}
-    _both_ways(_load(make_tiny_model(arch, **overrides), dtype, quantization))
+    """fp32 runs F.linear, bf16 the packed GEMM, int8 the quantized kernel."""
+    model_type, overrides = _ARCHS[arch]
+    _both_ways(_load(make_tiny_model(model_type, **overrides), dtype, quantization))
 
 
 @pytest.mark.parametrize("kinds", [[Q.Q4_1], [*QUANTIZED]], ids=["one-format", "mixed-formats"])
@@ -79,3 +96,13 @@ def test_models_the_kernels_do_not_run_whole_keep_the_loop(make_tiny_model: Call
     odd_heads = _load(make_tiny_model("llama", head_dim=24), torch.bfloat16)
     assert moe.decoder_stack is None and partial.decoder_stack is None and odd_heads.decoder_stack is None
     assert _load(make_tiny_model("llama"), torch.bfloat16).decoder_stack is not None
+
+
+def test_enforce_eager_keeps_the_loop_and_the_same_tokens(make_tiny_model: Callable[..., Path]) -> None:
+    folder, params = str(make_tiny_model("llama")), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], list(range(20, 45))]
+    fast, eager = (LLM(model=folder, dtype="bfloat16", num_kv_blocks=64, enforce_eager=e) for e in (False, True))
+    assert isinstance(fast.engine_core.executor.worker.runner.model.decoder_stack, DecoderStack)
+    assert eager.engine_core.executor.worker.runner.model.decoder_stack is None
+    assert [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]

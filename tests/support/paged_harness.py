@@ -9,6 +9,7 @@ import torch
 
 from cadence.backends.base import BatchLayout
 from cadence.backends.sdpa_backend import SDPABackend
+from cadence.models.gemma import Gemma2ForCausalLM
 from cadence.models.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")
@@ -17,7 +18,8 @@ CPU = torch.device("cpu")
 class PagedHarness:
     """A minimal model runner: scattered block ids, a hand-built BatchLayout per step."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 64, seed: int = 0) -> None:
+    def __init__(self, model: LlamaForCausalLM | Gemma2ForCausalLM, block_size: int, num_blocks: int = 64,
+                 seed: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         shape = SDPABackend.kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_dim)

@@ -1,4 +1,6 @@
-// A Llama-family model's decoder layers as one call per step (cadence/models/decoder_stack.py).
+// A model's decoder layers as one call per step (cadence/models/decoder_stack.py): Llama's layer
+// (pre-norms, the residual add fused into the next norm, SiLU) and Gemma's (four norms scaled by
+// 1 + weight, GeLU-tanh).
 //
 // The Python layer loop spends about 100 us a layer dispatching a dozen small ops (module calls,
 // views, empty tensors, torch.ops calls), 3-4 ms of a 10-15 ms decode step of one request on
@@ -44,6 +46,12 @@ void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
   static const auto op = kernel<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
       "cadence_cpu::rms_norm");
   op.call(out, x, weight, eps);
+}
+
+void scaled_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& scale, double eps) {
+  static const auto op = kernel<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+      "cadence_cpu::scaled_rms_norm");
+  op.call(out, x, scale, eps);
 }
 
 void add_rms_norm(const at::Tensor& out, const at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
@@ -125,18 +133,29 @@ struct Linear : torch::CustomClassHolder {
 
 struct Layer {
   c10::intrusive_ptr<Linear> qkv, o, gate_up, down;
-  at::Tensor input_norm, post_norm;
-  OptTensor q_norm, k_norm;  // Qwen3: RMSNorm over each q and k head before RoPE
+  // Llama: input and post-attention RMSNorm weights; Gemma: the fp32 scales (1 + weight) of its
+  // input, post-attention, pre- and post-feed-forward norms.
+  std::vector<at::Tensor> norms;
+  std::vector<at::Tensor> qk_norms;  // q's and k's per-head norm (Qwen3, Gemma 3), or none
   double eps, scale, soft_cap;
   int64_t window;
+  bool gemma;
 };
 
-// Qwen3's per-head norm, as cadence/models/layers.py: norm_heads_ (through a dense copy of the heads).
-void norm_heads(const at::Tensor& heads, const at::Tensor& weight, double eps) {
-  const at::Tensor rows = heads.reshape({-1, heads.size(-1)});
-  const at::Tensor out = at::empty_like(rows);
-  rms_norm(out, rows, weight, eps);
-  heads.copy_(out.view(heads.sizes()));
+// out = norm(x), as the layer's RMSNorm module computes it (Gemma's scales by 1 + weight).
+at::Tensor norm(const Layer& layer, const at::Tensor& x, const at::Tensor& weight) {
+  at::Tensor out = at::empty_like(x);
+  if (layer.gemma) {
+    scaled_rms_norm(out, x, weight, layer.eps);
+  } else {
+    rms_norm(out, x, weight, layer.eps);
+  }
+  return out;
+}
+
+// The per-head q/k norm, as cadence/models/layers.py: norm_heads_ (through a dense copy of the heads).
+void norm_heads(const Layer& layer, const at::Tensor& heads, const at::Tensor& weight) {
+  heads.copy_(norm(layer, heads.reshape({-1, heads.size(-1)}), weight).view(heads.sizes()));
 }
 
 struct DecoderStack : torch::CustomClassHolder {
@@ -147,58 +166,92 @@ struct DecoderStack : torch::CustomClassHolder {
       : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim) {}
 
   void add_layer(c10::intrusive_ptr<Linear> qkv, c10::intrusive_ptr<Linear> o, c10::intrusive_ptr<Linear> gate_up,
-                 c10::intrusive_ptr<Linear> down, at::Tensor input_norm, at::Tensor post_norm, OptTensor q_norm,
-                 OptTensor k_norm, double eps, double scale, int64_t window, double soft_cap) {
-    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecoderStack: q and k are normed together or not at all");
-    layers.push_back(Layer{std::move(qkv), std::move(o), std::move(gate_up), std::move(down), std::move(input_norm),
-                           std::move(post_norm), std::move(q_norm), std::move(k_norm), eps, scale, soft_cap, window});
+                 c10::intrusive_ptr<Linear> down, std::vector<at::Tensor> norms, std::vector<at::Tensor> qk_norms,
+                 double eps, double scale, int64_t window, double soft_cap, bool gemma) {
+    TORCH_CHECK(norms.size() == (gemma ? 4u : 2u), "DecoderStack: ", gemma ? 4 : 2, " norms a layer");
+    TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2, "DecoderStack: q and k are normed together or not at all");
+    layers.push_back(Layer{std::move(qkv), std::move(o), std::move(gate_up), std::move(down), std::move(norms),
+                           std::move(qk_norms), eps, scale, soft_cap, window, gemma});
   }
 
-  // The layers over a step's embedded tokens h [T, hidden]: (the last layer's MLP output, the
-  // residual stream), as LlamaForCausalLM's layer loop leaves them. Per layer: its KV cache and its
-  // attention metadata (cadence/backends/sdpa_backend.py: SDPAMetadata's tensors).
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                                             std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
-                                             std::vector<at::Tensor> slot_mappings, std::vector<at::Tensor> block_tables,
+  // The layers over a step's embedded tokens h [T, hidden]: (the last layer's output, the residual
+  // stream), as the model's layer loop leaves them (Llama: the last MLP output and the residual,
+  // whose sum the final norm takes; Gemma: the hidden states, twice). Per layer: its RoPE tables,
+  // its KV cache and its attention metadata (cadence/backends/sdpa_backend.py: SDPAMetadata's tensors).
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor h, at::Tensor positions, std::vector<at::Tensor> cos,
+                                             std::vector<at::Tensor> sin, std::vector<at::Tensor> k_caches,
+                                             std::vector<at::Tensor> v_caches, std::vector<at::Tensor> slot_mappings,
+                                             std::vector<at::Tensor> block_tables,
                                              std::vector<at::Tensor> token_requests,
                                              std::vector<at::Tensor> token_seq_lens) const {
     const size_t n = layers.size();
-    TORCH_CHECK(k_caches.size() == n && v_caches.size() == n && slot_mappings.size() == n && block_tables.size() == n &&
-                    token_requests.size() == n && token_seq_lens.size() == n,
-                "DecoderStack.forward: one cache and one metadata per layer (", n, ")");
-    const int64_t tokens = h.size(0), q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+    for (const auto* list : {&cos, &sin, &k_caches, &v_caches, &slot_mappings, &block_tables, &token_requests,
+                             &token_seq_lens}) {
+      TORCH_CHECK(list->size() == n, "DecoderStack.forward: one table, cache and metadata per layer (", n, ")");
+    }
     at::Tensor residual;
     for (size_t i = 0; i < n; ++i) {
       const Layer& layer = layers[i];
-      at::Tensor x = at::empty_like(h);
+      if (layer.gemma) {
+        const at::Tensor attended = attention(layer, norm(layer, h, layer.norms[0]), positions, cos[i], sin[i],
+                                              k_caches[i], v_caches[i], slot_mappings[i], block_tables[i],
+                                              token_requests[i], token_seq_lens[i]);
+        h = h + norm(layer, attended, layer.norms[1]);
+        h = h + norm(layer, mlp(layer, norm(layer, h, layer.norms[2])), layer.norms[3]);
+        residual = h;
+        continue;
+      }
+      at::Tensor x;
       if (i == 0) {
         residual = h;
-        rms_norm(x, h, layer.input_norm, layer.eps);
+        x = norm(layer, h, layer.norms[0]);
       } else {
-        add_rms_norm(x, residual, h, layer.input_norm, layer.eps);
+        x = at::empty_like(h);
+        add_rms_norm(x, residual, h, layer.norms[0], layer.eps);
       }
-      const at::Tensor qkv = layer.qkv->forward(x);
-      const at::Tensor q = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
-      const at::Tensor k = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
-      const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
-      if (layer.q_norm) {
-        norm_heads(q, *layer.q_norm, layer.eps);
-        norm_heads(k, *layer.k_norm, layer.eps);
-      }
-      rotary_embedding(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
-      store_kv(k_caches[i], v_caches[i], k, v, slot_mappings[i]);
-      const at::Tensor attended = at::empty(q.sizes(), q.options());
-      paged_attention(attended, q, k_caches[i], v_caches[i], block_tables[i], token_requests[i], token_seq_lens[i],
-                      layer.scale, layer.window, layer.soft_cap);
-      const at::Tensor o = layer.o->forward(attended.reshape({tokens, -1}));
-      at::Tensor y = at::empty_like(o);
-      add_rms_norm(y, residual, o, layer.post_norm, layer.eps);
-      const at::Tensor gate_up = layer.gate_up->forward(y);
-      const at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
-      silu_and_mul(act, gate_up);
-      h = layer.down->forward(act);
+      const at::Tensor o = attention(layer, x, positions, cos[i], sin[i], k_caches[i], v_caches[i], slot_mappings[i],
+                                     block_tables[i], token_requests[i], token_seq_lens[i]);
+      const at::Tensor y = at::empty_like(o);
+      add_rms_norm(y, residual, o, layer.norms[1], layer.eps);
+      h = mlp(layer, y);
     }
     return {h, residual};
+  }
+
+  // Attention (cadence/models/llama.py: Attention.forward over the SDPA backend's kernels): x [T, hidden]
+  // -> o_proj's output [T, hidden].
+  at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                       const at::Tensor& token_requests, const at::Tensor& token_seq_lens) const {
+    const int64_t tokens = x.size(0), q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+    const at::Tensor qkv = layer.qkv->forward(x);
+    const at::Tensor q = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    if (!layer.qk_norms.empty()) {
+      norm_heads(layer, q, layer.qk_norms[0]);
+      norm_heads(layer, k, layer.qk_norms[1]);
+    }
+    rotary_embedding(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
+    store_kv(k_cache, v_cache, k, v, slot_mapping);
+    const at::Tensor attended = at::empty(q.sizes(), q.options());
+    paged_attention(attended, q, k_cache, v_cache, block_table, token_requests, token_seq_lens, layer.scale,
+                    layer.window, layer.soft_cap);
+    return layer.o->forward(attended.reshape({tokens, -1}));
+  }
+
+  // The MLP (cadence/models/llama.py: MLP.forward): SiLU and the multiply as one kernel (Llama), or
+  // GeLU-tanh of the gate times the up half in torch ops (Gemma).
+  static at::Tensor mlp(const Layer& layer, const at::Tensor& x) {
+    const at::Tensor gate_up = layer.gate_up->forward(x);
+    const int64_t half = gate_up.size(1) / 2;
+    if (layer.gemma) {
+      return layer.down->forward(at::gelu(gate_up.narrow(1, 0, half), "tanh") * gate_up.narrow(1, half, half));
+    }
+    const at::Tensor act = at::empty({x.size(0), half}, gate_up.options());
+    silu_and_mul(act, gate_up);
+    return layer.down->forward(act);
   }
 };
 
