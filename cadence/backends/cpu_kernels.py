@@ -54,8 +54,8 @@ logger = logging.getLogger(__name__)
 
 _NAME = "cadence_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "quant_linear.cpp", "greedy.cpp",
-            "decoder_stack.cpp")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "quant_linear.cpp", "quant_rows.cpp",
+            "greedy.cpp", "decoder_stack.cpp")
 # The instruction sets the kernels use (the build targets exactly these, not the build machine); no
 # contraction of a multiply and an add into one FMA where torch rounds the product first.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
@@ -84,7 +84,8 @@ _LOCK_POLL_S = 0.1
 def cpu_ops() -> Any | None:
     """``torch.ops.cadence_cpu`` (``store_kv``, ``paged_attention``, ``rms_norm``, ``add_rms_norm``,
     ``silu_and_mul``, ``rotary_embedding``, ``bf16_linear_supported``, ``pack_bf16_linear``,
-    ``bf16_linear``, ``quant_linear_supported``, ``quant_linear``, ``argmax_rows``; signatures in
+    ``bf16_linear``, ``quant_linear_supported``, ``quant_linear``, ``quant_rows``, ``argmax_rows``, and the
+    classes ``Linear`` and ``DecoderStack`` in ``torch.classes.cadence_cpu``; signatures in
     ``csrc/``), or None where the kernels cannot run here."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":

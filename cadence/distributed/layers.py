@@ -32,10 +32,10 @@ from cadence.quantization.blocks import BlockCodes, quantize_int8
 from cadence.quantization.packed import (
     QuantizedMatrix,
     QuantizedRowStack,
+    lookup_rows,
     pack,
     pack_rows,
     quantized_linear,
-    unpack_rows,
 )
 
 
@@ -209,7 +209,7 @@ class VocabParallelEmbedding(ShardedLayer):
     def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
         weight: torch.Tensor | QuantizedMatrix = self.weight
         if isinstance(weight, QuantizedMatrix):
-            return unpack_rows(weight, rows.reshape(-1), self.dtype).view(*rows.shape, self.hidden_size)
+            return lookup_rows(weight, rows.reshape(-1), self.dtype).view(*rows.shape, self.hidden_size)
         return F.embedding(rows, weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

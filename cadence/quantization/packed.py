@@ -121,6 +121,15 @@ def pack(weight: BlockCodes, cols: int | None = None, *, bare: bool | None = Non
     return QuantizedMatrix(packed, rows, width if cols is None else cols, weight.bits, weight.block, bare)
 
 
+def lookup_rows(matrix: QuantizedMatrix, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`unpack_rows` (an embedding lookup), by the C++ kernel ``quant_rows`` where the kernels
+    run: the same values, without the dozen torch ops per call (0.37 ms of a one-token step)."""
+    if rows.device.type == "cpu" and runs_kernels(rows.device, dtype):
+        return cast(Any, cpu_ops()).quant_rows(matrix.packed, rows, matrix.cols, matrix.bits, matrix.block,
+                                               matrix.symmetric, dtype)
+    return unpack_rows(matrix, rows, dtype)
+
+
 def unpack_rows(matrix: QuantizedMatrix, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows ``rows`` (int64 ``[T]``) of the weight, dequantized: ``[T, cols]`` (an embedding lookup)."""
     lane = rows % LANES

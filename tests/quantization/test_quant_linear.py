@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from support.ggml_blocks import QUANTIZED, Q, random_blocks
 
+from cadence.backends.cpu_kernels import cpu_ops
 from cadence.quantization import packed
 from cadence.quantization.blocks import FORMS, BlockCodes, quantize_int8
 from cadence.quantization.ggml import decode
@@ -19,6 +20,7 @@ from cadence.quantization.packed import (
     QuantizedMatrix,
     QuantizedRowStack,
     dequantize,
+    lookup_rows,
     pack,
     pack_rows,
     quantized_linear,
@@ -152,6 +154,20 @@ def test_pack_keeps_every_value_and_rows_unpack_alone(bits: int, block: int, sym
     assert torch.equal(dequantize(matrix), codes.dequantize())
     rows = torch.tensor([69, 0, 17, 17, 64, 63])
     assert torch.equal(unpack_rows(matrix, rows, torch.bfloat16), codes.dequantize()[rows].bfloat16())
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="the C++ kernels need an AVX-512 CPU")
+@pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
+@pytest.mark.parametrize(("bits", "block"), sorted(FORMS))
+def test_the_row_lookup_kernel_is_the_torch_paths(bits: int, block: int, symmetric: bool) -> None:
+    torch.manual_seed(bits + block)
+    matrix = pack(_random_codes(bits, block, symmetric), cols=90)  # the last block's tail is padding
+    rows = torch.tensor([69, 0, 17, 17, 64, 63, 5])
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = lookup_rows(matrix, rows, dtype)
+        assert ours.shape == (7, 90) and torch.equal(ours, unpack_rows(matrix, rows, dtype))
+    with pytest.raises(RuntimeError, match="out of range"):
+        lookup_rows(matrix, torch.tensor([128]), torch.float32)  # two groups of 64 rows
 
 
 @needs_kernel
