@@ -1,4 +1,5 @@
-"""Benchmark workloads: synthetic random prompts, or prompts read from a JSONL / ShareGPT file."""
+"""Benchmark workloads: synthetic random prompts (independent, shaped like ShareGPT, or sharing
+prefixes), or prompts read from a JSONL / ShareGPT file."""
 
 from __future__ import annotations
 
@@ -71,6 +72,23 @@ def length_mix_requests(num: int, mix: LengthMix, vocab_size: int, seed: int) ->
     outputs = np.minimum(mix.output_len.sample(num, rng), mix.max_output_len)
     return [BenchRequest(rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=int(n_in)).tolist(), int(n_in), int(n_out))
             for n_in, n_out in zip(inputs, outputs, strict=True)]
+
+
+def prefix_repetition_requests(num: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
+                               vocab_size: int, seed: int) -> list[BenchRequest]:
+    """vLLM's prefix-repetition workload: ``num_prefixes`` random prefixes of ``prefix_len`` tokens
+    (a shared system prompt), each request one of them (in turn) and a distinct random suffix of
+    ``suffix_len`` tokens (its question)."""
+    if num_prefixes < 1:
+        raise ValueError(f"the number of prefixes must be at least 1, got {num_prefixes}")
+    rng = random.Random(seed)
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(_FIRST_ORDINARY_ID, vocab_size) for _ in range(count)]
+
+    prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
+    return [BenchRequest(prefixes[i % num_prefixes] + tokens(suffix_len), prefix_len + suffix_len, output_len)
+            for i in range(num)]
 
 
 def file_requests(path: str | Path, tokenizer: PreTrainedTokenizerBase, num: int, default_output_len: int,

@@ -111,6 +111,9 @@ class BenchmarkMetrics:
     itl: LatencyStats
     e2el: LatencyStats
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)
+    # Prompt tokens found in the server's prefix cache over the timed requests, from its /metrics
+    # (bench/prefix_cache_probe.py); None where the server does not export the counters.
+    prefix_cache_hit_rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, with vLLM's result keys (``mean_ttft_ms``, ``p99_itl_ms`` ...)."""
@@ -127,6 +130,8 @@ class BenchmarkMetrics:
         }
         if self.goodput_slos_ms:
             out["goodput_slos_ms"] = dict(self.goodput_slos_ms)
+        if self.prefix_cache_hit_rate is not None:
+            out["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         for name in ("ttft", "tpot", "itl", "e2el"):
             stats: LatencyStats = getattr(self, name)
             out[f"mean_{name}_ms"] = stats.mean

@@ -16,14 +16,22 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 from tqdm import tqdm
 
-from cadence.bench.datasets import SHAREGPT_LIKE, BenchRequest, file_requests, length_mix_requests, random_requests
+from cadence.bench.datasets import (
+    SHAREGPT_LIKE,
+    BenchRequest,
+    file_requests,
+    length_mix_requests,
+    prefix_repetition_requests,
+    random_requests,
+)
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
+from cadence.bench.prefix_cache_probe import PrefixCacheProbe
 
 _COMPLETIONS = "/v1/completions"
 _CHAT = "/v1/chat/completions"
@@ -107,8 +115,10 @@ def _delta_text(event: dict[str, Any]) -> str:
 
 async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompts: Sequence[str], *,
                    request_rate: float, burstiness: float, max_concurrency: int | None, seed: int,
-                   show_progress: bool) -> tuple[list[RequestRecord], float, float]:
-    """Send every request on its schedule; returns the records and the run's start and end times."""
+                   show_progress: bool, probe: PrefixCacheProbe | None = None
+                   ) -> tuple[list[RequestRecord], float, float]:
+    """Send every request on its schedule; returns the records and the run's start and end times.
+    ``probe`` reads the server's prefix-cache counters once the untimed first request is done."""
     delays = arrival_delays(len(requests), request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     progress = tqdm(total=len(requests), desc="Requests", unit="req", disable=not show_progress)
@@ -129,6 +139,8 @@ async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompt
         # and a server that cannot answer at all fails loudly instead of reporting 100% failures.
         if requests and not (await _stream_one(session, target, requests[0], prompts[0])).success:
             raise RuntimeError(f"the initial test request to {target.base_url + target.endpoint} failed")
+        if probe is not None:
+            await probe.start()
         start = time.perf_counter()
         tasks = []
         for request, prompt, delay in zip(requests, prompts, delays, strict=True):
@@ -170,6 +182,8 @@ def format_report(metrics: BenchmarkMetrics, title: str = "Serving Benchmark Res
              f"{'Total token throughput (tok/s):':<40}{d['total_token_throughput']:<10.2f}"]
     if d["request_goodput"] is not None:
         lines.append(f"{'Request goodput (req/s):':<40}{d['request_goodput']:<10.2f}")
+    if metrics.prefix_cache_hit_rate is not None:
+        lines.append(f"{'Prefix cache hit rate (%):':<40}{100 * metrics.prefix_cache_hit_rate:<10.2f}")
     for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(f"{label:-^60}")
@@ -193,9 +207,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--range-ratio", type=float, default=0.0)
     parser.add_argument("--dataset-path", default=None, help="ShareGPT .json or .jsonl of {prompt, output_len}")
-    parser.add_argument("--dataset-name", default="random", choices=["random", "sharegpt-like"],
-                        help="without --dataset-path: random (--input-len, --output-len, --range-ratio) or "
-                             f"sharegpt-like ({SHAREGPT_LIKE.describe()})")
+    parser.add_argument("--dataset-name", default="random", choices=["random", "sharegpt-like", "prefix-repetition"],
+                        help="without --dataset-path: random (--input-len, --output-len, --range-ratio), "
+                             f"sharegpt-like ({SHAREGPT_LIKE.describe()}) or prefix-repetition (prompts sharing "
+                             "prefixes: --prefix-repetition-*, --output-len)")
+    parser.add_argument("--prefix-repetition-prefix-len", type=int, default=1024, help="tokens of each shared prefix")
+    parser.add_argument("--prefix-repetition-suffix-len", type=int, default=64, help="distinct tokens after it")
+    parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=1, help="prefixes the prompts share")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrivals; 1 is Poisson")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
@@ -217,6 +235,10 @@ def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str]
         requests = file_requests(ns.dataset_path, tokenizer, ns.num_prompts, ns.output_len, ns.seed)
     elif ns.dataset_name == "sharegpt-like":
         requests = length_mix_requests(ns.num_prompts, SHAREGPT_LIKE, tokenizer.vocab_size, ns.seed)
+    elif ns.dataset_name == "prefix-repetition":
+        requests = prefix_repetition_requests(ns.num_prompts, ns.prefix_repetition_prefix_len,
+                                              ns.prefix_repetition_suffix_len, ns.prefix_repetition_num_prefixes,
+                                              ns.output_len, tokenizer.vocab_size, ns.seed)
     else:
         requests = random_requests(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
                                    tokenizer.vocab_size, ns.seed)
@@ -235,11 +257,17 @@ def measure(ns: argparse.Namespace, requests: Sequence[BenchRequest] | None = No
     base_url = ns.base_url.rstrip("/")
     model = ns.model or asyncio.run(served_model(base_url, ns.api_key))
     target = ServeTarget(base_url, ns.endpoint, model, ns.api_key, ns.ignore_eos)
-    records, start, end = asyncio.run(run_load(
-        target, requests, prompts, request_rate=ns.request_rate, burstiness=ns.burstiness,
-        max_concurrency=ns.max_concurrency, seed=ns.seed, show_progress=not ns.disable_tqdm))
-    return model, compute_metrics(records, start_time=start, end_time=end, goodput_slos_ms=slos,
-                                  percentiles=percentiles)
+    probe = PrefixCacheProbe(base_url, auth_headers(ns.api_key))
+
+    async def load() -> tuple[list[RequestRecord], float, float, float | None]:
+        records, start, end = await run_load(
+            target, requests, prompts, request_rate=ns.request_rate, burstiness=ns.burstiness,
+            max_concurrency=ns.max_concurrency, seed=ns.seed, show_progress=not ns.disable_tqdm, probe=probe)
+        return records, start, end, await probe.hit_rate()
+
+    records, start, end, hit_rate = asyncio.run(load())
+    metrics = compute_metrics(records, start_time=start, end_time=end, goodput_slos_ms=slos, percentiles=percentiles)
+    return model, replace(metrics, prefix_cache_hit_rate=hit_rate)
 
 
 def run(ns: argparse.Namespace) -> int:

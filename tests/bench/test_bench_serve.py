@@ -1,17 +1,31 @@
-"""The serving load generator against a scripted OpenAI-style SSE server on 127.0.0.1."""
+"""The serving load generator against a scripted OpenAI-style SSE server on 127.0.0.1, its
+workloads, and the prefix-cache hit rate it reads from a server (the scripted one, and cadence's)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import math
 import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
-from support.sse_server import TOKENS_PER_REPLY
+from support.sse_server import HITS_PER_REPLY, PROMPT_TOKENS, TOKENS_PER_REPLY
 
-from cadence.bench.datasets import BenchRequest
+from cadence.bench.cli import register
+from cadence.bench.datasets import BenchRequest, prefix_repetition_requests
 from cadence.bench.metrics import compute_metrics
-from cadence.bench.serve import ServeTarget, arrival_delays, run_load
+from cadence.bench.prefix_cache_probe import PrefixCacheCounts, parse_counts
+from cadence.bench.serve import ServeTarget, arrival_delays, format_report, measure, run_load
+
+
+def _serve_args(*args: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="test")
+    register(parser.add_subparsers(dest="verb", required=True))
+    return parser.parse_args(["bench", "serve", "--disable-tqdm", *args])
 
 
 def test_records_every_streamed_chunk_and_counts_failures(server: str) -> None:
@@ -46,3 +60,50 @@ def test_an_initial_untimed_request_must_succeed_first(server: str) -> None:
     with pytest.raises(RuntimeError, match="initial test request"):
         asyncio.run(run_load(target, [BenchRequest([1, 2], 2, 5)] * 2, ["fail", "hello"], request_rate=math.inf,
                              burstiness=1.0, max_concurrency=None, seed=0, show_progress=False))
+
+
+def test_prefix_repetition_prompts_share_their_prefixes_and_differ_after() -> None:
+    requests = prefix_repetition_requests(6, prefix_len=20, suffix_len=5, num_prefixes=2, output_len=9,
+                                          vocab_size=1000, seed=3)
+    prompts = [list(r.prompt) for r in requests]
+    assert all(len(p) == 25 for p in prompts)
+    assert all(r.prompt_len == 25 and r.output_len == 9 for r in requests)
+    assert prompts[0][:20] == prompts[2][:20] == prompts[4][:20] != prompts[1][:20] == prompts[3][:20]
+    assert len({tuple(p[20:]) for p in prompts}) == 6
+    assert prompts == [list(r.prompt) for r in prefix_repetition_requests(6, 20, 5, 2, 9, 1000, seed=3)]
+
+
+def test_the_counters_parse_under_either_servers_names() -> None:
+    page = """# TYPE cadence:prefix_cache_queries_total counter
+cadence:prefix_cache_queries_total{engine="0",model_name="m"} 5.0
+cadence:prefix_cache_queries_total{engine="1",model_name="m"} 7.0
+# TYPE cadence:prefix_cache_hits_total counter
+cadence:prefix_cache_hits_total{engine="0",model_name="m"} 3.0
+"""
+    assert parse_counts(page) == PrefixCacheCounts(queries=12.0, hits=3.0)
+    assert parse_counts(page.replace("cadence:", "vllm:")) == PrefixCacheCounts(queries=12.0, hits=3.0)
+    assert parse_counts("# TYPE other_total counter\nother_total 1.0\n") is None
+
+
+def test_the_hit_rate_covers_the_timed_requests_only(server: str) -> None:
+    """The scripted server's first reply (the untimed one) finds nothing cached, the four timed ones
+    find HITS_PER_REPLY tokens each: counting the first would lower the rate."""
+    _, metrics = measure(_serve_args("--base-url", server, "--model", "m"), [BenchRequest([1, 2], 2, 5)] * 4,
+                         ["hello"] * 4)
+    assert metrics.prefix_cache_hit_rate == HITS_PER_REPLY / PROMPT_TOKENS
+    assert metrics.to_dict()["prefix_cache_hit_rate"] == HITS_PER_REPLY / PROMPT_TOKENS
+    assert "Prefix cache hit rate (%):" in format_report(metrics)
+
+
+def test_a_cadence_server_reports_its_prefix_cache_hits(
+        serve_tiny: Callable[..., contextlib.AbstractContextManager[Any]],
+        make_tiny_model: Callable[..., Path]) -> None:
+    """Six prompts sharing a 64-token prefix, after an untimed one with the same prefix: most of each
+    prompt is found in the cache (its full 16-token blocks of the prefix)."""
+    args = ["--dataset-name", "prefix-repetition", "--prefix-repetition-prefix-len", "64",
+            "--prefix-repetition-suffix-len", "8", "--num-prompts", "6", "--output-len", "4", "--ignore-eos",
+            "--tokenizer", str(make_tiny_model("llama"))]
+    with serve_tiny() as process:
+        _, metrics = measure(_serve_args("--base-url", process.url, *args))
+    assert metrics.completed == 6 and metrics.prefix_cache_hit_rate is not None
+    assert 0.5 < metrics.prefix_cache_hit_rate < 1.0

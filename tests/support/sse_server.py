@@ -1,5 +1,8 @@
 """A scripted OpenAI-style completions server for the load generator's tests: every reply streams
-``TOKENS_PER_REPLY`` text chunks ``GAP_S`` apart, then usage; the prompt ``"fail"`` gets a 400."""
+``TOKENS_PER_REPLY`` text chunks ``GAP_S`` apart, then usage; the prompt ``"fail"`` gets a 400.
+``/metrics`` exports vLLM's prefix-cache counters: each reply adds its ``PROMPT_TOKENS`` to the
+queries, and every reply after the first ``HITS_PER_REPLY`` to the hits (the first finds nothing
+cached)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ import aiohttp.web
 
 TOKENS_PER_REPLY = 5
 GAP_S = 0.02
+PROMPT_TOKENS = 7
+HITS_PER_REPLY = 3
+_REPLIES = aiohttp.web.AppKey("replies", list[int])
 
 
 async def _completions(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
@@ -23,12 +29,25 @@ async def _completions(request: aiohttp.web.Request) -> aiohttp.web.StreamRespon
         await asyncio.sleep(GAP_S)
         chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": TOKENS_PER_REPLY, "total_tokens": 12}}
+    usage = {"choices": [], "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": TOKENS_PER_REPLY,
+                                      "total_tokens": PROMPT_TOKENS + TOKENS_PER_REPLY}}
     await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+    request.app[_REPLIES][0] += 1
     return response
+
+
+async def _metrics(request: aiohttp.web.Request) -> aiohttp.web.Response:
+    replies = request.app[_REPLIES][0]
+    lines = []
+    for name, value in (("queries", PROMPT_TOKENS * replies), ("hits", HITS_PER_REPLY * max(0, replies - 1))):
+        lines += [f"# TYPE vllm:prefix_cache_{name}_total counter",
+                  f'vllm:prefix_cache_{name}_total{{engine="0",model_name="m"}} {float(value)}']
+    return aiohttp.web.Response(text="\n".join(lines) + "\n")
 
 
 def completions_app() -> aiohttp.web.Application:
     app = aiohttp.web.Application()
+    app[_REPLIES] = [0]
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/metrics", _metrics)
     return app
