@@ -12,6 +12,10 @@ model). Prints each side's figures and cadence's ratio to it. A benchmark, never
     python benchmarks/compare.py
     python benchmarks/compare.py --peer vllm=http://127.0.0.1:8001 --peer llama.cpp=http://127.0.0.1:8002
     python benchmarks/compare.py --skip-offline --server-arg=--num-threads=2
+    python benchmarks/compare.py --skip-offline --peer vllm=URL --workload-arg=--dataset-name=prefix-repetition
+
+The last is the shared-prefix workload (a 1,024-token prefix, 64 distinct tokens after it; prefix
+caching on in both servers): the table then adds each server's prefix-cache hit rate.
 """
 
 from __future__ import annotations
@@ -74,6 +78,9 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
             ratio = ours / theirs if higher_better else theirs / ours
             row += f"{ratio:>13.2f}x"
         rows.append(row)
+    if all("prefix_cache_hit_rate" in figures for figures in results.values()):  # servers that export it
+        rows.append(f"{'prefix hits %':<16}" + "".join(f"{100 * results[name]['prefix_cache_hit_rate']:>14.1f}"
+                                                       for name in results))
     return "\n".join(rows)
 
 
