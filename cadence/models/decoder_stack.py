@@ -88,7 +88,7 @@ class DecoderStack:
         if any(linear is None for linear in native):
             return False
         gemma = kind is GemmaRMSNorm
-        weights = [cast(GemmaRMSNorm, n)._fp32_scale() if gemma else n.weight for n in norms]
+        weights = [cast(GemmaRMSNorm, n).fp32_scale() if gemma else n.weight for n in norms]
         backend, count = parts.backend, len(parts.norms)
         self._native.add_layer(*native, weights[:count], weights[count:], eps, backend.scale,
                                backend.sliding_window or 0, backend.logits_soft_cap or 0.0, gemma)
@@ -116,7 +116,7 @@ def _native_linear(module: ColumnParallelLinear | RowParallelLinear) -> Any | No
     None for a weight only the Python path runs (oneDNN's packed layout, quantized without the kernel)."""
     weight: torch.Tensor | QuantizedMatrix | QuantizedRowStack = module.weight
     bias = module.bias
-    out_features = module._offsets[-1] if isinstance(module, ColumnParallelLinear) else module.out_features
+    out_features = sum(module.out_sizes) if isinstance(module, ColumnParallelLinear) else module.out_features
     new = _classes().Linear
     if isinstance(weight, QuantizedMatrix | QuantizedRowStack):
         if not kernel_available():

@@ -161,13 +161,14 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             out = torch.empty_like(x)
-            kernels().scaled_rms_norm(out, x, self._fp32_scale(), self.eps)
+            kernels().scaled_rms_norm(out, x, self.fp32_scale(), self.eps)
             return out
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
-    def _fp32_scale(self) -> torch.Tensor:
+    def fp32_scale(self) -> torch.Tensor:
+        """``1 + weight`` in fp32, the fused kernel's scale: worked out once per version of the weight."""
         version = self.weight._version  # bumped by every in-place write, loading included
         if self._scale is None or self._scale[0] != version:
             self._scale = (version, 1.0 + self.weight.detach().float())
