@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.bench import serve, throughput
+from cadence.bench.sweep import parse_servers
 
 # Serving figures compared side by side: (key in BenchmarkMetrics.to_dict(), label, higher is better).
 _SERVING_FIGURES = (
@@ -96,7 +97,10 @@ def main() -> None:
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args()
-    peers = dict(_peer(item) for item in ns.peer)
+    try:
+        peers = parse_servers(ns.peer, "--peer")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     report: dict[str, Any] = {}
     if not ns.skip_offline:
         report["offline"] = offline(ns.workload_arg)
@@ -113,13 +117,6 @@ def main() -> None:
         report["serving"] = serving_results
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(report, indent=2))
-
-
-def _peer(item: str) -> tuple[str, str]:
-    name, sep, url = item.partition("=")
-    if not sep or not name or not url:
-        raise SystemExit(f"--peer takes NAME=BASE_URL, got {item!r}")
-    return name, url
 
 
 if __name__ == "__main__":

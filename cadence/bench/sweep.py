@@ -36,8 +36,9 @@ _PANELS = (("request_goodput", "goodput (req/s)"), ("p99_ttft_ms", "TTFT p99 (ms
 Curve = list[dict[str, Any]]  # one BenchmarkMetrics.to_dict() per rate, with "request_rate" added
 
 
-def parse_servers(items: Sequence[str]) -> dict[str, str]:
-    """``["cadence=http://h:8000", ...]`` -> ``{"cadence": "http://h:8000"}``.
+def parse_servers(items: Sequence[str], flag: str = "--server") -> dict[str, str]:
+    """``["cadence=http://h:8000", ...]`` -> ``{"cadence": "http://h:8000"}``; ``flag`` names the
+    option they came from in the errors.
 
     :raises ValueError: for an item without ``=``, an empty name or URL, or a name given twice.
     """
@@ -45,9 +46,9 @@ def parse_servers(items: Sequence[str]) -> dict[str, str]:
     for item in items:
         name, sep, url = (part.strip() for part in item.partition("="))
         if not sep or not name or not url:
-            raise ValueError(f"--server takes NAME=URL, got {item!r}")
+            raise ValueError(f"{flag} takes NAME=URL, got {item!r}")
         if name in servers:
-            raise ValueError(f"--server name {name!r} is given twice")
+            raise ValueError(f"{flag} name {name!r} is given twice")
         servers[name] = url.rstrip("/")
     return servers
 

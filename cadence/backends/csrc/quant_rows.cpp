@@ -25,7 +25,8 @@ float half_at(const uint8_t* bytes) {
   return static_cast<float>(value);
 }
 
-// Row `row`'s code for column 4 * step + j of one block whose codes start at `body`.
+// The code of the row in lane `lane` of its panel, for column 4 * step + j of one block whose
+// codes start at `body`.
 int code_at(const uint8_t* body, int64_t lane, int64_t step, int64_t j, int64_t bits, int64_t steps) {
   const int64_t at = lane * 4 + j;
   if (bits == 8) return body[step * kStepBytes + at];
