@@ -32,6 +32,28 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _list_policies(ns: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from cadence.policies.loader import describe_policies
+
+    infos = describe_policies()
+    if ns.json:
+        print(json.dumps([asdict(info) for info in infos], indent=2))
+        return 0
+    for info in infos:
+        if info.error is not None:
+            print(f"{info.name}  (broken: {info.error})\n")
+            continue
+        print(f"{info.name}  ({info.target})\n  {info.summary}\n  options (--policy-option KEY=VALUE):")
+        width = max(map(len, info.options), default=0)
+        for option, text in info.options.items():
+            print(f"    {option:<{width}}  {text}")
+        print()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadence", description="LLM inference engine")
     parser.add_argument("--log-level", default="WARNING", help="logging level")
@@ -48,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(run=_generate)
+    policies = verbs.add_parser("policies", help="the installed scheduling policies").add_subparsers(
+        dest="policies_verb", required=True)
+    listing = policies.add_parser("list", help="each installed policy (entry point cadence.policies) and its options")
+    listing.add_argument("--json", action="store_true", help="as JSON")
+    listing.set_defaults(run=_list_policies)
     # Each verb's module adds its own parser.
     for register in (register_serve, register_bench, register_simulate):
         register(verbs)

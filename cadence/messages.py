@@ -198,6 +198,7 @@ class EngineCoreReady(_Message):
 
     num_blocks: int
     block_size: int
+    policy: str  # the scheduling policy and its options (SchedulingPolicy.describe)
 
 
 class EngineDead(_Message):

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Protocol
 
 from cadence.messages import TokenLogprobs
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import ExtraArg, SamplingParams
+
+_NO_EXTRA_ARGS: Mapping[str, ExtraArg] = MappingProxyType({})
 
 
 class RequestStatus(enum.IntEnum):
@@ -61,6 +65,10 @@ class RequestView(Protocol):
     def all_token_ids(self) -> list[int]: ...
     @property
     def status(self) -> RequestStatus: ...
+    @property
+    def extra_args(self) -> Mapping[str, ExtraArg]:
+        """The request's own fields for policies (``vllm_xargs`` over HTTP; empty when none)."""
+        ...
 
 
 class Request:
@@ -104,6 +112,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def extra_args(self) -> Mapping[str, ExtraArg]:
+        return self.sampling_params.extra_args or _NO_EXTRA_ARGS
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,9 @@ from typing import Any
 
 import msgspec
 
+# The values a request's extra_args may hold (what JSON and msgpack both carry as scalars).
+ExtraArg = str | int | float | bool
+
 # Sampler treats these as "off"; named so the checks below read as intent.
 _GREEDY_EPS = 1e-5
 
@@ -99,6 +102,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     # request then skips the prefix cache, as in vLLM: a cached prefix computes no logits.
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # A request's own fields for scheduling policies and plugins (a deadline, an SLO class), as
+    # vLLM's ``extra_args``; the HTTP API takes them as ``vllm_xargs``. Nothing built in reads them.
+    extra_args: dict[str, ExtraArg] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

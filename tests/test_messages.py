@@ -30,7 +30,7 @@ EXAMPLES: list[msgspec.Struct] = [
     m.EngineCoreOutputs([m.EngineCoreOutput("r1", [11], [LOGPROBS], "stop", 16, queue_time_s=0.5)], timestamp=3.0,
                         stats=m.SchedulerStats(2, 1, 0.25, 30, 40, 512, 128, 3)),
     m.EngineCoreOutputs([], timestamp=3.5, kv_delta=m.KVCacheDelta(stored=[2**64 - 1, 7], removed=[9], cleared=True)),
-    m.EngineCoreReady(num_blocks=40, block_size=16),
+    m.EngineCoreReady(num_blocks=40, block_size=16, policy="fcfs (chunked=true)"),
     m.EngineDead("engine core exited"),
     m.TrackRequest("r1", [1, 2, 3], PARAMS),
     m.DetokenizedOutputs([m.SequenceDelta("r1", "hi", [11], [LOGPROBS], "stop", "\n", 16)]),

@@ -81,12 +81,13 @@ class APIMetrics:
 class EngineState:
     """What ``/metrics`` reads from one engine core at scrape time."""
 
-    __slots__ = ("num_blocks", "num_pending", "stats")
+    __slots__ = ("num_blocks", "num_pending", "policy", "stats")
 
-    def __init__(self, stats: SchedulerStats | None, num_pending: int, num_blocks: int) -> None:
+    def __init__(self, stats: SchedulerStats | None, num_pending: int, num_blocks: int, policy: str) -> None:
         self.stats = stats
         self.num_pending = num_pending
         self.num_blocks = num_blocks  # usable blocks (the null block excluded)
+        self.policy = policy  # the scheduling policy with its options (SchedulingPolicy.describe)
 
 
 class _EngineCollector(Collector):
@@ -113,6 +114,11 @@ class _EngineCollector(Collector):
         def counter(name: str, doc: str, values: list[float]) -> Metric:
             return family(CounterMetricFamily, name, doc, values)
 
+        policy = GaugeMetricFamily("cadence:scheduling_policy_info", "The engine's scheduling policy and its options.",
+                                   labels=["model_name", "engine", "policy"])
+        for rank, state in enumerate(states):
+            policy.add_metric([self._model_name, str(rank), state.policy], 1.0)
+        yield policy
         yield gauge("num_requests_running", "Requests in the engine's running batch.",
                     [s.num_running if s else 0 for s in stats])
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",

@@ -61,6 +61,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
             skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs,
             structured_outputs=constraint,
+            extra_args=req.vllm_xargs or None,
         )
     except ValueError as exc:
         raise from_value_error(exc, _PARAM_FIELDS) from None

@@ -3,7 +3,7 @@ responses (encoded as OpenAI's published spec has them).
 
 Request fields keep OpenAI's names and ranges, plus vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``priority``,
-``structured_outputs`` ...). Most
+``structured_outputs``, ``vllm_xargs`` ...). Most
 are nullable, as in the spec: a client may send ``null`` for "the default". Unknown fields are
 ignored, as vLLM does.
 
@@ -44,6 +44,10 @@ TopK = Annotated[int, Meta(ge=INT32_MIN, le=INT32_MAX)]
 Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 # 32 bits: any ordering a client needs, and room for a policy's arithmetic (aging) within 64 bits.
 Priority = Annotated[int, Meta(ge=INT32_MIN, le=INT32_MAX)]
+# vllm_xargs: scalars only, integers within what msgpack carries, a bounded count and key length.
+ExtraArgs = Annotated[
+    dict[Annotated[str, Meta(max_length=64)], str | bool | Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] | float],
+    Meta(max_length=64)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -93,6 +97,8 @@ class SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool = True
     priority: Priority = 0
     structured_outputs: StructuredOutputsParams | None = None
+    # The request's own fields for scheduling policies (a deadline, an SLO class): vLLM's name.
+    vllm_xargs: ExtraArgs | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -129,7 +129,7 @@ def sampling_fields(req: ResponsesRequest) -> SamplingFields:
         temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=req.stop, logit_bias=req.logit_bias,
         user=req.user, top_k=req.top_k, repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        priority=req.priority, structured_outputs=req.structured_outputs)
+        priority=req.priority, structured_outputs=req.structured_outputs, vllm_xargs=req.vllm_xargs)
 
 
 def has_output_constraint(req: ResponsesRequest) -> bool:

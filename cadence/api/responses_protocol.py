@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from cadence.api.protocol import INT32_MAX, Priority, Probability, Seed, Temperature, TokenId, TopK
+from cadence.api.protocol import INT32_MAX, ExtraArgs, Priority, Probability, Seed, Temperature, TokenId, TopK
 from cadence.sampling_params import StructuredOutputsParams
 
 # ---- requests ------------------------------------------------------------------------------
@@ -141,6 +141,7 @@ class ResponsesRequest(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     priority: Priority = 0
     structured_outputs: StructuredOutputsParams | None = None
+    vllm_xargs: ExtraArgs | None = None
 
 
 # ---- responses -----------------------------------------------------------------------------

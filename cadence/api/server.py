@@ -250,7 +250,8 @@ async def _serve_http(engine: AsyncEngine, settings: ServerSettings, options: Se
     lifecycle.listening = True
     cores = len(engine.cores)
     print(f"cadence: serving {settings.model_name} on http://{options.host}:{options.port}"
-          + (f" with {cores} data-parallel engine cores" if cores > 1 else ""), file=sys.stderr, flush=True)
+          + (f" with {cores} data-parallel engine cores" if cores > 1 else "")
+          + f", scheduling policy {engine.cores[0].client.policy}", file=sys.stderr, flush=True)
     await lifecycle.stop.wait()
     state = app[STATE]
     logger.warning("shutting down: %d requests in flight", state.num_in_flight)

@@ -116,7 +116,8 @@ class APIState:
 
     def _engine_states(self) -> list[EngineState]:
         """Per engine core, in rank order; a pool's usable blocks exclude its null block."""
-        return [EngineState(c.stats, c.num_pending, c.client.num_blocks - 1) for c in self.engine.cores]
+        return [EngineState(c.stats, c.num_pending, c.client.num_blocks - 1, c.client.policy)
+                for c in self.engine.cores]
 
     @property
     def num_in_flight(self) -> int:

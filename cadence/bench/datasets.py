@@ -1,17 +1,19 @@
 """Benchmark workloads: synthetic random prompts (independent, shaped like ShareGPT, or sharing
-prefixes), or prompts read from a JSONL / ShareGPT file."""
+prefixes), prompts read from a JSONL / ShareGPT file, or a timed trace (``cadence simulate``'s)."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from cadence.sim.workload import LengthDist
+from cadence.sampling_params import ExtraArg
+from cadence.sim.workload import LengthDist, load_trace
 
 # SmolLM2 and most byte-level BPE vocabularies keep their special tokens among the first ids.
 _FIRST_ORDINARY_ID = 100
@@ -19,9 +21,15 @@ _FIRST_ORDINARY_ID = 100
 
 @dataclass(frozen=True)
 class BenchRequest:
+    """One request to send; a trace's requests also carry when (seconds from the first) and as whom."""
+
     prompt: str | list[int]
     prompt_len: int
     output_len: int
+    arrival_time: float | None = None
+    priority: int = 0
+    user: str | None = None
+    extra_args: Mapping[str, ExtraArg] | None = None
 
 
 def random_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
@@ -117,3 +125,23 @@ def _sharegpt_pair(item: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[str,
         return None
     reply_len = len(tokenizer(turns[1]["value"]).input_ids)
     return turns[0]["value"], max(reply_len, 1)
+
+
+def trace_requests(path: str | Path, vocab_size: int, seed: int, time_scale: float = 1.0,
+                   num: int | None = None) -> list[BenchRequest]:
+    """A JSONL trace (``cadence.sim.workload``'s format) as timed requests, in arrival order: the
+    first ``num`` (all by default), arrival times from the first one multiplied by ``time_scale``
+    (0.5 replays twice as fast). A prompt given as token ids is sent as them; one given as a count
+    gets random ids (seeded), distinct from every other prompt's."""
+    if not time_scale > 0:
+        raise ValueError(f"the trace's time scale must be > 0, got {time_scale}")
+    specs = load_trace(path)[:num]
+    if not specs:
+        raise ValueError(f"{path} holds no requests")
+    rng = random.Random(seed)
+    first = specs[0].arrival_time
+    return [BenchRequest(
+        list(spec.prompt_token_ids) if spec.prompt_token_ids is not None
+        else [rng.randrange(_FIRST_ORDINARY_ID, vocab_size) for _ in range(spec.prompt_tokens)],
+        spec.prompt_tokens, spec.output_tokens, arrival_time=(spec.arrival_time - first) * time_scale,
+        priority=spec.priority, user=spec.user, extra_args=spec.extra_args) for spec in specs]

@@ -1,7 +1,9 @@
 """``cadence bench serve``: a load generator for any OpenAI-compatible server, like ``vllm bench serve``.
 
 Requests stream from ``/v1/completions`` or ``/v1/chat/completions`` with Poisson (or Gamma, with
-``--burstiness``) arrivals at ``--request-rate``, at most ``--max-concurrency`` in flight. Each
+``--burstiness``) arrivals at ``--request-rate``, or at the times a trace gives (``--dataset-name
+trace``: its token-id prompts sent as ids, its priorities, users and ``extra_args`` with each
+request), at most ``--max-concurrency`` in flight. Each
 streamed chunk that carries text is timed; the figures (TTFT, TPOT, ITL, E2E latency, throughput,
 goodput) are computed by :mod:`cadence.bench.metrics` with vLLM's definitions, so they compare
 number for number with vLLM's own benchmark against cadence, vLLM or llama.cpp's server.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -29,10 +32,12 @@ from cadence.bench.datasets import (
     length_mix_requests,
     prefix_repetition_requests,
     random_requests,
+    trace_requests,
 )
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
 from cadence.bench.prefix_cache_probe import PrefixCacheProbe
 
+DEFAULT_NUM_PROMPTS = 64
 _COMPLETIONS = "/v1/completions"
 _CHAT = "/v1/chat/completions"
 
@@ -57,25 +62,51 @@ def arrival_delays(num: int, request_rate: float, burstiness: float, seed: int) 
     return [rng.gammavariate(burstiness, scale) for _ in range(num)]
 
 
-async def _stream_one(session: aiohttp.ClientSession, target: ServeTarget, request: BenchRequest,
-                      prompt_text: str) -> RequestRecord:
+def arrival_offsets(requests: Sequence[BenchRequest], request_rate: float, burstiness: float,
+                    seed: int) -> list[float]:
+    """When to send each request, in seconds from the start: a trace's own times, else the sums of
+    :func:`arrival_delays`."""
+    if requests and requests[0].arrival_time is not None:
+        return [r.arrival_time or 0.0 for r in requests]
+    return list(itertools.accumulate(arrival_delays(len(requests), request_rate, burstiness, seed)))
+
+
+def request_body(target: ServeTarget, request: BenchRequest, prompt: str | list[int]) -> dict[str, Any]:
+    """The streaming request's JSON body; a trace's priority, user and extra_args go with it."""
     body: dict[str, Any] = {"model": target.model, "max_tokens": request.output_len, "stream": True,
                             "stream_options": {"include_usage": True}, "temperature": 0.0}
     if target.ignore_eos:
         body["ignore_eos"] = True
     if target.endpoint == _CHAT:
-        body["messages"] = [{"role": "user", "content": prompt_text}]
+        body["messages"] = [{"role": "user", "content": prompt}]
     else:
-        body["prompt"] = prompt_text
+        body["prompt"] = prompt
+    if request.priority:
+        body["priority"] = request.priority
+    if request.user is not None:
+        body["user"] = request.user
+    if request.extra_args:
+        body["vllm_xargs"] = dict(request.extra_args)
+    return body
+
+
+async def _stream_one(session: aiohttp.ClientSession, target: ServeTarget, request: BenchRequest,
+                      prompt: str | list[int]) -> RequestRecord:
+    body = request_body(target, request, prompt)
     headers = auth_headers(target.api_key)
     sent = time.perf_counter()
     chunks: list[float] = []
     output_tokens = 0
     prompt_tokens = request.prompt_len
+
+    def record(times: list[float], tokens: int, success: bool) -> RequestRecord:
+        return RequestRecord(sent, times, prompt_tokens, tokens, success=success, user=request.user,
+                             priority=request.priority)
+
     try:
         async with session.post(target.base_url + target.endpoint, json=body, headers=headers) as response:
             if response.status != 200:
-                return RequestRecord(sent, [], prompt_tokens, 0, success=False)
+                return record([], 0, False)
             async for event in _sse_events(response):
                 text = _delta_text(event)
                 if text:
@@ -85,9 +116,9 @@ async def _stream_one(session: aiohttp.ClientSession, target: ServeTarget, reque
                     output_tokens = usage.get("completion_tokens", output_tokens)
                     prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return RequestRecord(sent, chunks, prompt_tokens, 0, success=False)
+        return record(chunks, 0, False)
     # Servers that send no usage: count one token per text chunk, as they stream per token.
-    return RequestRecord(sent, chunks, prompt_tokens, output_tokens or len(chunks), success=bool(chunks))
+    return record(chunks, output_tokens or len(chunks), bool(chunks))
 
 
 async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
@@ -113,20 +144,20 @@ def _delta_text(event: dict[str, Any]) -> str:
     return text
 
 
-async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompts: Sequence[str], *,
+async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompts: Sequence[str | list[int]], *,
                    request_rate: float, burstiness: float, max_concurrency: int | None, seed: int,
                    show_progress: bool, probe: PrefixCacheProbe | None = None
                    ) -> tuple[list[RequestRecord], float, float]:
     """Send every request on its schedule; returns the records and the run's start and end times.
     ``probe`` reads the server's prefix-cache counters once the untimed first request is done."""
-    delays = arrival_delays(len(requests), request_rate, burstiness, seed)
+    offsets = arrival_offsets(requests, request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     progress = tqdm(total=len(requests), desc="Requests", unit="req", disable=not show_progress)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     records: list[RequestRecord] = []
 
-    async def one(request: BenchRequest, prompt: str) -> None:
+    async def one(request: BenchRequest, prompt: str | list[int]) -> None:
         if limit is None:
             records.append(await _stream_one(session, target, request, prompt))
         else:
@@ -143,8 +174,8 @@ async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompt
             await probe.start()
         start = time.perf_counter()
         tasks = []
-        for request, prompt, delay in zip(requests, prompts, delays, strict=True):
-            await asyncio.sleep(delay)
+        for request, prompt, offset in zip(requests, prompts, offsets, strict=True):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             tasks.append(asyncio.create_task(one(request, prompt)))
         await asyncio.gather(*tasks)
         end = time.perf_counter()
@@ -202,15 +233,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="model folder or .gguf whose tokenizer builds the prompts (default: SmolLM2)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=None, help="requests to send (default 64; a trace: all)")
     parser.add_argument("--input-len", type=int, default=128, help="random dataset: mean prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--range-ratio", type=float, default=0.0)
-    parser.add_argument("--dataset-path", default=None, help="ShareGPT .json or .jsonl of {prompt, output_len}")
-    parser.add_argument("--dataset-name", default="random", choices=["random", "sharegpt-like", "prefix-repetition"],
-                        help="without --dataset-path: random (--input-len, --output-len, --range-ratio), "
-                             f"sharegpt-like ({SHAREGPT_LIKE.describe()}) or prefix-repetition (prompts sharing "
-                             "prefixes: --prefix-repetition-*, --output-len)")
+    parser.add_argument("--dataset-path", default=None,
+                        help="ShareGPT .json or .jsonl of {prompt, output_len}; "
+                             "with --dataset-name trace, a JSONL trace")
+    parser.add_argument("--dataset-name", default="random",
+                        choices=["random", "sharegpt-like", "prefix-repetition", "trace"],
+                        help="random (--input-len, --output-len, --range-ratio), "
+                             f"sharegpt-like ({SHAREGPT_LIKE.describe()}), prefix-repetition (prompts sharing "
+                             "prefixes: --prefix-repetition-*, --output-len), or trace: replay --dataset-path, a "
+                             "cadence simulate trace (arrival_time, prompt_tokens as a count or token ids, "
+                             "output_tokens, priority, user, extra_args per line), at its own times")
+    parser.add_argument("--trace-time-scale", type=float, default=1.0,
+                        help="trace: multiply its arrival times by this (0.5 replays twice as fast)")
     parser.add_argument("--prefix-repetition-prefix-len", type=int, default=1024, help="tokens of each shared prefix")
     parser.add_argument("--prefix-repetition-suffix-len", type=int, default=64, help="distinct tokens after it")
     parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=1, help="prefixes the prompts share")
@@ -227,27 +265,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-tqdm", action="store_true")
 
 
-def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str]]:
+def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str | list[int]]]:
     from cadence.models.loader import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(ns.tokenizer))
-    if ns.dataset_path:
-        requests = file_requests(ns.dataset_path, tokenizer, ns.num_prompts, ns.output_len, ns.seed)
+    num = DEFAULT_NUM_PROMPTS if ns.num_prompts is None else ns.num_prompts
+    if ns.dataset_name == "trace":
+        requests = _trace(ns, tokenizer.vocab_size)
+        if ns.endpoint == _COMPLETIONS:  # the trace's exact token ids
+            return requests, [r.prompt for r in requests]
+    elif ns.dataset_path:
+        requests = file_requests(ns.dataset_path, tokenizer, num, ns.output_len, ns.seed)
     elif ns.dataset_name == "sharegpt-like":
-        requests = length_mix_requests(ns.num_prompts, SHAREGPT_LIKE, tokenizer.vocab_size, ns.seed)
+        requests = length_mix_requests(num, SHAREGPT_LIKE, tokenizer.vocab_size, ns.seed)
     elif ns.dataset_name == "prefix-repetition":
-        requests = prefix_repetition_requests(ns.num_prompts, ns.prefix_repetition_prefix_len,
+        requests = prefix_repetition_requests(num, ns.prefix_repetition_prefix_len,
                                               ns.prefix_repetition_suffix_len, ns.prefix_repetition_num_prefixes,
                                               ns.output_len, tokenizer.vocab_size, ns.seed)
     else:
-        requests = random_requests(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
-                                   tokenizer.vocab_size, ns.seed)
-    texts = [r.prompt if isinstance(r.prompt, str) else str(tokenizer.decode(r.prompt)) for r in requests]
+        requests = random_requests(num, ns.input_len, ns.output_len, ns.range_ratio, tokenizer.vocab_size, ns.seed)
+    texts: list[str | list[int]] = [r.prompt if isinstance(r.prompt, str) else str(tokenizer.decode(r.prompt))
+                                    for r in requests]
     return requests, texts
 
 
+def _trace(ns: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
+    """:raises ValueError: without a trace file, or with arrival options a trace's own times replace."""
+    if not ns.dataset_path:
+        raise ValueError("--dataset-name trace replays the JSONL trace given as --dataset-path")
+    if not math.isinf(ns.request_rate) or ns.burstiness != 1.0:
+        raise ValueError("a trace's requests arrive at its own times: drop --request-rate and --burstiness "
+                         "(--trace-time-scale speeds it up or slows it down)")
+    return trace_requests(ns.dataset_path, vocab_size, ns.seed, ns.trace_time_scale, ns.num_prompts)
+
+
 def measure(ns: argparse.Namespace, requests: Sequence[BenchRequest] | None = None,
-            prompts: Sequence[str] | None = None) -> tuple[str, BenchmarkMetrics]:
+            prompts: Sequence[str | list[int]] | None = None) -> tuple[str, BenchmarkMetrics]:
     """Run the load ``ns`` describes against ``ns.base_url`` (``requests`` and their ``prompts`` when
     given, else those ``ns`` describes); returns the model name sent and the figures."""
     slos = parse_goodput(ns.goodput)
@@ -276,6 +329,6 @@ def run(ns: argparse.Namespace) -> int:
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump({"base_url": ns.base_url, "endpoint": ns.endpoint, "model": model,
-                       "num_prompts": ns.num_prompts, "request_rate": ns.request_rate,
+                       "num_prompts": metrics.completed + metrics.failed, "request_rate": ns.request_rate,
                        "max_concurrency": ns.max_concurrency, **metrics.to_dict()}, f, indent=2)
     return 0 if metrics.completed else 1

@@ -138,7 +138,8 @@ def run(ns: argparse.Namespace) -> int:
     curves = sweep(ns, servers, parse_rates(ns.request_rates))
     print(format_table(curves))
     if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps({"num_prompts": ns.num_prompts, "servers": servers,
+        num_prompts = ns.num_prompts or serve.DEFAULT_NUM_PROMPTS
+        Path(ns.output_json).write_text(json.dumps({"num_prompts": num_prompts, "servers": servers,
                                                     "curves": curves}, indent=2))
     if ns.plot:
         plot(curves, ns.plot)

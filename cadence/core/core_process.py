@@ -134,8 +134,10 @@ async def _run(core: EngineCore, outputs: ZmqSendChannel[Any], inputs: ZmqReceiv
         crashed.append(error)
         await outputs.send(EngineDead(error))
 
-    await outputs.send(EngineCoreReady(num_blocks=core.executor.num_blocks, block_size=config.cache.block_size))
-    logger.info("engine core ready: %d KV blocks", core.executor.num_blocks)
+    policy = core.scheduler.policy.describe()
+    await outputs.send(EngineCoreReady(num_blocks=core.executor.num_blocks, block_size=config.cache.block_size,
+                                       policy=policy))
+    logger.info("engine core ready: %d KV blocks, scheduling policy %s", core.executor.num_blocks, policy)
     async with anyio.create_task_group() as group:
         group.start_soon(_stop_on_sigterm, group.cancel_scope)
         await run_actors([scheduler, executor, forwarder], on_crash)

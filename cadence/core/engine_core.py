@@ -27,6 +27,7 @@ from cadence.executor.worker import Worker
 from cadence.models.kv_groups import kv_cache_groups_of
 from cadence.models.loader import load_hf_config, load_tokenizer
 from cadence.policies.base import PolicyContext
+from cadence.policies.clock import WallClock
 from cadence.policies.loader import load_policy
 from cadence.runtime.actor import Mailbox
 
@@ -52,10 +53,7 @@ class EngineCore:
         """
         sched = config.scheduler
         # Fail on a bad policy name before the (slower) model load.
-        policy = load_policy(sched.policy, PolicyContext(
-            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
-            enable_chunked_prefill=sched.enable_chunked_prefill,
-            long_prefill_token_threshold=sched.long_prefill_token_threshold), sched.policy_options)
+        policy = load_policy(sched.policy, PolicyContext.of(sched, WallClock()), sched.policy_options)
         hf_config = load_hf_config(config.model.path)
         executor = create_executor(config, hf_config)
         # One allocator per KV cache group, as the workers laid out their caches.

@@ -229,11 +229,11 @@ class Scheduler:
         """
         preempted_now = {r.request_id for r in step.preempted}
         admitted: list[Request] = []
-        order = self.policy.order_waiting(self.waiting)
-        position = 0
-        while position < len(order):
-            request = self.requests.get(order[position].request_id)
-            position += 1
+        # Read lazily, and afresh after a preemption (which changes the queue): a policy may hand
+        # out an iterator over an order it keeps up to date (policies/waiting_queue.py).
+        order = iter(self.policy.order_waiting(self.waiting))
+        while (view := next(order, None)) is not None:
+            request = self.requests.get(view.request_id)
             if request is None or request.status == RequestStatus.RUNNING:
                 continue  # not waiting: a policy's mistake, not a reason to stop
             if not self._grammar_ready(request):
@@ -249,7 +249,7 @@ class Scheduler:
             admitted.append(request)
             if len(step.preempted) > num_preempted:
                 preempted_now.update(r.request_id for r in step.preempted[num_preempted:])
-                order, position = self.policy.order_waiting(self.waiting), 0
+                order = iter(self.policy.order_waiting(self.waiting))
         self.running.extend(admitted)
 
     def _admit(self, request: Request, num_admitted: int, step: StepPlan) -> bool:

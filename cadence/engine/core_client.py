@@ -22,12 +22,14 @@ from cadence.runtime.actor import Actor, Mailbox, NowaitMailbox
 class EngineCoreClient(abc.ABC):
     """One engine core as the front end sees it.
 
-    ``num_blocks`` is the size of its KV pool (the null block included), known once it is ready;
+    ``num_blocks`` is the size of its KV pool (the null block included) and ``policy`` its
+    scheduling policy with options (``SchedulingPolicy.describe``), known once it is ready;
     ``dead`` says why it stopped, once it has.
     """
 
     rank: int
     num_blocks: int
+    policy: str
     dead: str | None = None
 
     @abc.abstractmethod

@@ -23,6 +23,7 @@ class InProcessCoreClient(EngineCoreClient):
         self.core = core
         self.rank = core.config.parallel.data_parallel_rank
         self.num_blocks = core.executor.num_blocks
+        self.policy = core.scheduler.policy.describe()
 
     @classmethod
     def start(cls, config: EngineConfig) -> InProcessCoreClient:

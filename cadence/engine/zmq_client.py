@@ -68,7 +68,7 @@ class ZmqCoreClient(EngineCoreClient):
         threading.Thread(target=reap, name=f"{self.process.name}-reaper", daemon=True).start()
 
     async def wait_ready(self, timeout_s: float) -> EngineCoreReady:
-        """Wait for the engine core's ready message; it sets :attr:`num_blocks`.
+        """Wait for the engine core's ready message; it sets :attr:`num_blocks` and :attr:`policy`.
 
         :raises RuntimeError: if the engine core failed, exited or timed out while starting.
         """
@@ -92,6 +92,7 @@ class ZmqCoreClient(EngineCoreClient):
         first = result[0]
         if isinstance(first, EngineCoreReady):
             self.num_blocks = first.num_blocks
+            self.policy = first.policy
             return first
         raise RuntimeError(first.error if isinstance(first, EngineDead) else first)
 

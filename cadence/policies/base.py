@@ -12,9 +12,12 @@ policy decides
    when seats or blocks run out (:meth:`SchedulingPolicy.preempt_for`).
 
 It sees read-only request views (never the allocator), may keep its own state, and is told when
-requests arrive, are scheduled, are preempted and finish. The same object drives the real engine
-and the simulator. A third-party policy is a subclass registered in the ``cadence.policies``
-entry-point group (see ``docs/policies.md``).
+requests arrive, are scheduled, are preempted and finish. It reads the time from its context's
+clock (:meth:`SchedulingPolicy.now`: wall time in the engine, virtual time in the simulator, on the
+timeline of the requests' ``arrival_time``), and a request's own fields from its ``extra_args``
+(``vllm_xargs`` in the HTTP API). The same object drives the real engine and the simulator. A
+third-party policy is a subclass registered in the ``cadence.policies`` entry-point group (see
+``docs/policies.md``).
 
 Chunking is a property of every policy, not a policy of its own: the ``chunked`` option splits
 prompts to fit the step and serves running decodes before prefill chunks. It follows the engine's
@@ -30,10 +33,12 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
+from cadence.config import SchedulerConfig
+from cadence.policies.clock import Clock, WallClock
 from cadence.request import RequestStatus, RequestView
 
 _TRUE = ("1", "true", "yes", "on")
@@ -42,12 +47,20 @@ _FALSE = ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class PolicyContext:
-    """The scheduler limits a policy may take into account."""
+    """The scheduler limits a policy may take into account, and the clock it reads the time from."""
 
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_chunked_prefill: bool  # the engine allows a prompt to be split across steps
     long_prefill_token_threshold: int  # 0: no cap on one chunk
+    clock: Clock = field(default_factory=WallClock, compare=False)
+
+    @classmethod
+    def of(cls, config: SchedulerConfig, clock: Clock) -> PolicyContext:
+        """The context of a scheduler with ``config`` whose time is ``clock``'s."""
+        return cls(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                   enable_chunked_prefill=config.enable_chunked_prefill,
+                   long_prefill_token_threshold=config.long_prefill_token_threshold, clock=clock)
 
 
 class SchedulingPolicy(abc.ABC):
@@ -75,20 +88,38 @@ class SchedulingPolicy(abc.ABC):
                              "told not to do (--no-enable-chunked-prefill); drop one of the two")
 
     @classmethod
-    def accepted_options(cls) -> Sequence[str]:
-        """Names accepted by ``--policy-option KEY=VALUE``; subclasses extend the base's."""
-        return ("chunked",)
+    def accepted_options(cls) -> Mapping[str, str]:
+        """The options ``--policy-option KEY=VALUE`` may set, each with what it does (shown by
+        ``cadence policies list``); subclasses extend the base's: ``{**super().accepted_options(), ...}``.
+        """
+        return {"chunked": "split prompts into chunks that fit the step, decodes first "
+                           "(default: as --enable-chunked-prefill says)"}
+
+    def describe(self) -> str:
+        """``name (key=value, ...)``: the policy with its options, ``chunked`` resolved; the engine
+        shows it at start and in ``/metrics``."""
+        settings = {"chunked": str(self.chunked).lower(), **self.options}
+        return f"{self.name} ({', '.join(f'{key}={value}' for key, value in sorted(settings.items()))})"
+
+    def now(self) -> float:
+        """The time now, in seconds on the timeline of the requests' ``arrival_time`` (the engine's
+        wall clock, or the simulator's virtual one): ``self.now() - request.arrival_time`` is how
+        long ``request`` has been in the engine."""
+        return self.context.clock.now()
 
     # ---- 1. order -----------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def order_waiting(self, waiting: Sequence[RequestView]) -> list[RequestView]:
+    def order_waiting(self, waiting: Sequence[RequestView]) -> Iterable[RequestView]:
         """The waiting requests in the order they should be admitted (first = next).
 
         ``waiting`` is in arrival order, except that preempted requests go back to the front.
         Admission stops at the first request that cannot be admitted (budget, seats or blocks).
         Called once per step in which the scheduler admits, and again after a preemption made for
-        a waiting request (its victims are back in ``waiting``).
+        a waiting request (its victims are back in ``waiting``). The scheduler reads the result
+        lazily, only as far as it admits, so a policy may return an iterator over an order it keeps
+        up to date from the notifications (:class:`~cadence.policies.waiting_queue.WaitingQueue`)
+        rather than sort ``waiting`` every step.
         """
 
     def order_running(self, running: Sequence[RequestView]) -> list[RequestView]:
@@ -172,6 +203,11 @@ class SchedulingPolicy(abc.ABC):
     # ---- option parsing -----------------------------------------------------------------------
 
     def bool_option(self, key: str, default: bool) -> bool:
+        """Option ``key`` as a boolean (``true/false``, ``1/0``, ``yes/no``, ``on/off``, any case), or
+        ``default`` when not given.
+
+        :raises ValueError: naming the policy and the option, for any other value.
+        """
         value = self.options.get(key)
         if value is None:
             return default
@@ -182,6 +218,10 @@ class SchedulingPolicy(abc.ABC):
         raise ValueError(f"policy {self.name!r}: option {key}={value!r} must be true or false")
 
     def float_option(self, key: str, default: float, minimum: float = 0.0) -> float:
+        """Option ``key`` as a finite number at least ``minimum``, or ``default`` when not given.
+
+        :raises ValueError: naming the policy and the option, for anything else.
+        """
         value = self.options.get(key)
         if value is None:
             return default

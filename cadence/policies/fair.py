@@ -45,8 +45,10 @@ class FairPolicy(SchedulingPolicy):
         self._last_left = 0.0
 
     @classmethod
-    def accepted_options(cls) -> Sequence[str]:
-        return (*super().accepted_options(), "input_weight", "output_weight")
+    def accepted_options(cls) -> Mapping[str, str]:
+        return {**super().accepted_options(),
+                "input_weight": "service charged per prompt token, at admission (w_p; default 1)",
+                "output_weight": "service charged per generated token (w_q; default 2)"}
 
     def order_waiting(self, waiting: Sequence[RequestView]) -> list[RequestView]:
         queues: dict[str, list[RequestView]] = {}

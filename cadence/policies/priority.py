@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from cadence.policies.base import SchedulingPolicy
+from cadence.policies.base import PolicyContext, SchedulingPolicy
+from cadence.policies.waiting_queue import WaitingQueue
 from cadence.request import RequestView
 
 
@@ -19,13 +20,30 @@ class PriorityPolicy(SchedulingPolicy):
     rank, so it keeps its place. When seats or KV blocks run out for a waiting request, the
     lowest-ranked running request is preempted if its priority is strictly lower (a larger value).
     Running requests also draw on the token budget by rank, and the victim for a running request
-    that needs blocks is the lowest-ranked one (possibly itself).
+    that needs blocks is the lowest-ranked one (possibly itself). The waiting order is kept as
+    requests come and go (a :class:`WaitingQueue`; equal ranks in the order they were queued).
     """
 
     name = "priority"
 
-    def order_waiting(self, waiting: Sequence[RequestView]) -> list[RequestView]:
-        return sorted(waiting, key=_rank)  # stable: equal ranks keep queue order
+    def __init__(self, context: PolicyContext, options: Mapping[str, str] | None = None) -> None:
+        super().__init__(context, options)
+        self._waiting = WaitingQueue(_rank)
+
+    def order_waiting(self, waiting: Sequence[RequestView]) -> Iterable[RequestView]:
+        return self._waiting
+
+    def on_arrival(self, request: RequestView) -> None:
+        self._waiting.add(request)
+
+    def on_preempted(self, request: RequestView) -> None:
+        self._waiting.add(request)
+
+    def on_scheduled(self, request: RequestView, num_tokens: int) -> None:
+        self._waiting.discard(request.request_id)
+
+    def on_finished(self, request: RequestView) -> None:
+        self._waiting.discard(request.request_id)
 
     def order_running(self, running: Sequence[RequestView]) -> list[RequestView]:
         return super().order_running(sorted(running, key=_rank))

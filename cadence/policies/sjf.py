@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from cadence.policies.base import PolicyContext, SchedulingPolicy
+from cadence.policies.waiting_queue import WaitingQueue
 from cadence.request import RequestView
 
 
@@ -17,6 +18,10 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
     first only while ``len(y) + aging * A(y) < len(x) + aging * A(x)``, ``A`` being the admission
     count at arrival; with ``aging > 0`` every waiting request therefore outranks all later arrivals
     after ``len(x) / aging`` admissions, and finishes. ``aging=0`` is plain SJF (can starve).
+
+    Every waiting request's score drops by ``aging`` at each admission, so their order is that of
+    ``len + aging * A``, fixed at arrival: the queue is kept sorted by it (a :class:`WaitingQueue`),
+    not re-sorted every step.
     """
 
     name = "sjf"
@@ -26,29 +31,34 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
         self.aging = self.float_option("aging", 1.0)
         self._admissions = 0
         self._arrived_at: dict[str, int] = {}  # request id -> admissions before its arrival
-        self._waiting: set[str] = set()
+        self._waiting = WaitingQueue(self._rank)
 
     @classmethod
-    def accepted_options(cls) -> Sequence[str]:
-        return (*super().accepted_options(), "aging")
+    def accepted_options(cls) -> Mapping[str, str]:
+        return {**super().accepted_options(),
+                "aging": "score taken off a waiting request per admission since its arrival (default 1; 0: plain SJF)"}
 
     def score(self, request: RequestView) -> float:
         length = request.num_prompt_tokens + request.max_tokens
         return length - self.aging * (self._admissions - self._arrived_at.get(request.request_id, self._admissions))
 
-    def order_waiting(self, waiting: Sequence[RequestView]) -> list[RequestView]:
-        return sorted(waiting, key=lambda r: (self.score(r), r.arrival_time))
+    def _rank(self, request: RequestView) -> tuple[float, float]:
+        # score + aging * admissions, which orders the waiting requests as their scores do at any time.
+        arrived_at = self._arrived_at.get(request.request_id, self._admissions)
+        return request.num_prompt_tokens + request.max_tokens + self.aging * arrived_at, request.arrival_time
+
+    def order_waiting(self, waiting: Sequence[RequestView]) -> Iterable[RequestView]:
+        return self._waiting
 
     def on_arrival(self, request: RequestView) -> None:
         self._arrived_at[request.request_id] = self._admissions
-        self._waiting.add(request.request_id)
+        self._waiting.add(request)
 
     def on_preempted(self, request: RequestView) -> None:
-        self._waiting.add(request.request_id)  # keeps its age, hence its place
+        self._waiting.add(request)  # keeps its age, hence its place
 
     def on_scheduled(self, request: RequestView, num_tokens: int) -> None:
-        if request.request_id in self._waiting:
-            self._waiting.discard(request.request_id)
+        if self._waiting.discard(request.request_id):
             self._admissions += 1
 
     def on_finished(self, request: RequestView) -> None:

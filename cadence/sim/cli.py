@@ -4,7 +4,9 @@
 the real scheduler under one or more policies on a virtual clock, prints the serving metrics per
 policy, and writes them as JSON with PNG plots. ``cadence simulate calibrate`` times the real
 engine and writes the cost model the simulator uses. Engine flags are the same as ``generate``'s;
-for ``calibrate`` give them after the sub-verb.
+for ``calibrate`` give them after the sub-verb. A simulation models a server: options left out
+take ``cadence serve``'s defaults (a 512-token step budget, the 100 ms inter-token latency target),
+and it models one engine core on one rank.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +93,11 @@ def run_simulate(ns: argparse.Namespace) -> int:
 
     slos = parse_goodput(ns.goodput)
     percentiles = _percentiles(ns.metric_percentiles)
-    config = engine_args_from(ns).create_config()
+    args = replace(engine_args_from(ns), usage_context="serving")
+    if args.data_parallel_size != 1 or args.tensor_parallel_size != 1:
+        raise ValueError("cadence simulate models one engine core on one rank; drop --data-parallel-size and "
+                         "--tensor-parallel-size (calibrate the cost model on the engine you want to model)")
+    config = args.create_config()
     limits = EngineLimits.from_engine_config(config)
     cost_model = CostModel.load(ns.cost_model) if ns.cost_model else CostModel.default()
     _warn_on_mismatch(cost_model, config.model.path, config.model.dtype, bool(ns.cost_model))

@@ -65,7 +65,8 @@ async def replay_async(engine: LLM, specs: Sequence[RequestSpec], seed: int = 0)
 
 
 async def _submit(engine: AsyncEngine, request_id: str, prompt: list[int], spec: RequestSpec) -> RequestHandle:
-    params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True,
+                            extra_args=None if spec.extra_args is None else dict(spec.extra_args))
     return await engine.submit(engine.prepare(prompt, params), request_id, priority=spec.priority, user=spec.user)
 
 

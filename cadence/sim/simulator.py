@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,8 +21,10 @@ from cadence.config import SchedulerConfig
 from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
+from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
 from cadence.messages import SchedulerOutput
 from cadence.policies.base import PolicyContext, SchedulingPolicy
+from cadence.policies.clock import Clock, VirtualClock
 from cadence.policies.loader import load_policy
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams
@@ -39,17 +41,21 @@ _SYNTHETIC_VOCAB = 32000
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The engine settings a simulation needs: context length, KV pool and the scheduler's limits."""
+    """The engine settings a simulation needs: context length, KV pool and the scheduler's limits.
+
+    A simulation models a server: the step's token budget and the inter-token latency target default
+    to ``cadence serve``'s.
+    """
 
     num_kv_blocks: int = 4096  # the null block included
     block_size: int = 16
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET["serving"]
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    target_itl_ms: float = 0.0
+    target_itl_ms: float = DEFAULT_TARGET_ITL_MS["serving"]
 
     def __post_init__(self) -> None:
         self.scheduler_config()  # the scheduler's own checks, raised at the boundary
@@ -89,10 +95,10 @@ class EngineLimits:
                                long_prefill_token_threshold=self.long_prefill_token_threshold,
                                target_itl_ms=self.target_itl_ms, policy=policy, policy_options=dict(options or {}))
 
-    def policy_context(self) -> PolicyContext:
-        return PolicyContext(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                             enable_chunked_prefill=self.enable_chunked_prefill,
-                             long_prefill_token_threshold=self.long_prefill_token_threshold)
+    def policy_context(self, clock: Clock | None = None) -> PolicyContext:
+        """The context of a policy under these limits, on ``clock`` (a fresh virtual clock by
+        default; :func:`simulate` puts every policy on the clock of its run)."""
+        return PolicyContext.of(self.scheduler_config(), clock or VirtualClock())
 
     def check(self, spec: RequestSpec) -> None:
         """:raises ValueError: if the engine would reject this request (as the request manager does)."""
@@ -189,7 +195,8 @@ def simulate(
     """Run ``workload`` through the real scheduler under ``policy`` on a virtual clock.
 
     ``policy`` is an entry-point name (built with ``policy_options`` and the limits' context) or
-    a policy object (used as is; give each run a fresh one). ``cost_model`` defaults to the
+    a policy object (used as is, its clock set to the run's; give each run a fresh one). Policies
+    read the virtual clock, on the trace's timeline. ``cost_model`` defaults to the
     built-in SmolLM2 figures. ``seed`` draws the prompt token ids of specs that carry none (each
     request gets distinct ids, so nothing hits the prefix cache by chance). ``on_step`` is called
     after each ``schedule()`` with the scheduler and its output, before the step runs: property
@@ -203,14 +210,16 @@ def simulate(
     cost_model = cost_model or CostModel.default()
     for spec in workload:
         limits.check(spec)
+    clock = VirtualClock()
     if isinstance(policy, str):
         name = policy
-        policy = load_policy(policy, limits.policy_context(), policy_options)
+        policy = load_policy(policy, limits.policy_context(clock), policy_options)
     else:
         name = policy.name
+        policy.context = replace(policy.context, clock=clock)  # the run's time, whatever it was built with
     allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching)
     scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, policy, cost_model=cost_model)
-    run = _Run(workload, limits, scheduler, SimulatedRunner(cost_model), seed, on_step, max_steps)
+    run = _Run(workload, limits, scheduler, SimulatedRunner(cost_model), clock, seed, on_step, max_steps)
     started = time.perf_counter()
     run.run()
     return SimResult(
@@ -229,7 +238,8 @@ class _Run:
     """One simulation's mutable state and its loop."""
 
     def __init__(self, workload: Sequence[RequestSpec], limits: EngineLimits, scheduler: Scheduler,
-                 runner: SimulatedRunner, seed: int, on_step: StepHook | None, max_steps: int | None) -> None:
+                 runner: SimulatedRunner, clock: VirtualClock, seed: int, on_step: StepHook | None,
+                 max_steps: int | None) -> None:
         # Stable order by arrival; ids are the spec's or its index.
         self.specs = sorted(workload, key=lambda s: s.arrival_time)
         self.ids = [s.request_id if s.request_id is not None else str(i) for i, s in enumerate(self.specs)]
@@ -238,6 +248,7 @@ class _Run:
         self.limits = limits
         self.scheduler = scheduler
         self.runner = runner
+        self.clock = clock
         self.rng = np.random.default_rng(seed)
         self.on_step = on_step
         self.max_steps = max_steps
@@ -250,10 +261,11 @@ class _Run:
         scheduler, runner, specs = self.scheduler, self.runner, self.specs
         allocator = scheduler.allocator
         chunk_times, finish_reasons, steps = self.chunk_times, self.finish_reasons, self.steps
-        on_step, max_steps = self.on_step, self.max_steps
+        on_step, max_steps, clock = self.on_step, self.max_steps, self.clock
         now = specs[0].arrival_time if specs else 0.0
         next_arrival = 0
         while next_arrival < len(specs) or scheduler.num_unfinished:
+            clock.time = now
             while next_arrival < len(specs) and specs[next_arrival].arrival_time <= now:
                 scheduler.add_request(self._request(next_arrival))
                 next_arrival += 1
@@ -270,6 +282,7 @@ class _Run:
                                     shape.decode_seqs, shape.kv_tokens, len(scheduler.running),
                                     len(scheduler.waiting), allocator.usage, scheduler.num_preemptions))
             now += duration
+            clock.time = now  # the step's outputs are processed at its end
             scheduler.observe_step_time(duration)
             for output in scheduler.update_from_output(result):
                 if output.new_token_ids:
@@ -285,10 +298,12 @@ class _Run:
             prompt = list(spec.prompt_token_ids)
         else:
             prompt = self.rng.integers(_FIRST_ORDINARY_ID, _SYNTHETIC_VOCAB, size=spec.prompt_tokens).tolist()
-        params = self._params.get(spec.output_tokens)
+        params = self._params.get(spec.output_tokens) if spec.extra_args is None else None
         if params is None:
-            params = self._params[spec.output_tokens] = SamplingParams(
-                max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True,
+                                    extra_args=None if spec.extra_args is None else dict(spec.extra_args))
+            if spec.extra_args is None:
+                self._params[spec.output_tokens] = params
         return Request(self.ids[index], prompt, params, eos_token_id=None, arrival_time=spec.arrival_time,
                        max_model_len=self.limits.max_model_len, priority=spec.priority, user=spec.user)
 

@@ -6,22 +6,25 @@ A workload is a list of :class:`RequestSpec` sorted by arrival time. A trace lin
 
 ``arrival_time`` is in seconds from the start, ``prompt_tokens`` a count or the token ids themselves
 (ids let requests share prefixes, so prefix caching shows), ``output_tokens`` how many tokens the
-request generates (it ends by length, EOS ignored); ``priority`` (lower first), ``user`` and
-``request_id`` are optional.
+request generates (it ends by length, EOS ignored); ``priority`` (lower first), ``user``,
+``request_id`` and ``extra_args`` (an object of strings, numbers and booleans a policy reads as
+``request.extra_args``, as the API's ``vllm_xargs``: a deadline, an SLO class) are optional.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-_TRACE_KEYS = {"arrival_time", "prompt_tokens", "output_tokens", "priority", "user", "request_id"}
+from cadence.sampling_params import ExtraArg
+
+_TRACE_KEYS = {"arrival_time", "prompt_tokens", "output_tokens", "priority", "user", "request_id", "extra_args"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class RequestSpec:
     user: str | None = None
     request_id: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None  # from a trace; else the simulator makes unique ids
+    extra_args: Mapping[str, ExtraArg] | None = None  # the request's own fields for policies
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -244,6 +248,10 @@ def _spec_from_json(row: Any, default_id: str) -> RequestSpec:
     if not isinstance(output, int) or isinstance(output, bool):
         raise ValueError(f"output_tokens must be an integer, got {output!r}")
     user = row.get("user")
+    extra = row.get("extra_args")
+    if extra is not None and not (isinstance(extra, dict) and all(
+            isinstance(v, str | int | float) for v in extra.values())):
+        raise ValueError(f"extra_args must be an object of strings, numbers and booleans, got {extra!r}")
     return RequestSpec(
         arrival_time=float(row["arrival_time"]),
         prompt_tokens=prompt,
@@ -252,6 +260,7 @@ def _spec_from_json(row: Any, default_id: str) -> RequestSpec:
         user=None if user is None else str(user),
         request_id=str(row.get("request_id", default_id)),
         prompt_token_ids=ids,
+        extra_args=extra or None,
     )
 
 
@@ -270,6 +279,8 @@ def save_trace(specs: Iterable[RequestSpec], path: str | Path) -> None:
                 row["user"] = spec.user
             if spec.request_id is not None:
                 row["request_id"] = spec.request_id
+            if spec.extra_args:
+                row["extra_args"] = dict(spec.extra_args)
             f.write(json.dumps(row) + "\n")
 
 

@@ -18,7 +18,7 @@ Labels = tuple[tuple[str, str], ...]
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens"]
 ENGINE_GAUGES = ["num_requests_running", "num_requests_waiting", "num_requests_pending", "kv_cache_usage_perc",
-                 "kv_cache_num_blocks", "kv_cache_free_blocks"]
+                 "kv_cache_num_blocks", "kv_cache_free_blocks", "scheduling_policy_info"]
 ENGINE_COUNTERS = ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "engine_steps",
                    "engine_step_seconds", "model_forward_seconds"]
 # The token histograms' buckets for a context of 64: 1, 2, 5 per decade up to it.
@@ -55,7 +55,7 @@ def seq(index: int, num_tokens: int, finish: str | None = None) -> CompletionOut
 
 
 def idle_metrics(states: Sequence[EngineState] = ()) -> APIMetrics:
-    return APIMetrics("m", 64, lambda: states or [EngineState(None, 0, 10)])
+    return APIMetrics("m", 64, lambda: states or [EngineState(None, 0, 10, "fcfs (chunked=true)")])
 
 
 def test_every_metric_is_named_with_the_cadence_prefix_and_typed() -> None:
@@ -135,7 +135,8 @@ def test_engine_state_is_read_at_scrape_time_one_series_per_core() -> None:
     stats = SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_free_blocks=30, num_blocks=40,
                            prefix_cache_queries=100, prefix_cache_hits=64, num_preemptions=5, num_steps=9,
                            step_time_s=0.5, forward_time_s=0.375)
-    states = [EngineState(stats, num_pending=4, num_blocks=40), EngineState(None, num_pending=1, num_blocks=12)]
+    states = [EngineState(stats, num_pending=4, num_blocks=40, policy="fcfs (chunked=true)"),
+              EngineState(None, num_pending=1, num_blocks=12, policy="sjf (aging=2, chunked=true)")]
     metrics = idle_metrics(states)
     _, samples = parse(metrics.render())
     expected = {
@@ -149,7 +150,10 @@ def test_engine_state_is_read_at_scrape_time_one_series_per_core() -> None:
     }
     for name, per_engine in expected.items():
         assert (value(samples, name, engine="0"), value(samples, name, engine="1")) == per_engine, name
-    states[1] = EngineState(stats, num_pending=0, num_blocks=40)  # read again at the next scrape
+    # The policy as an info series: the engine's description in a label, value 1.
+    for rank, policy in enumerate(("fcfs (chunked=true)", "sjf (aging=2, chunked=true)")):
+        assert value(samples, "scheduling_policy_info", engine=str(rank), policy=policy) == 1.0
+    states[1] = EngineState(stats, num_pending=0, num_blocks=40, policy="sjf (aging=2, chunked=true)")  # read again
     _, samples = parse(metrics.render())
     assert value(samples, "num_requests_running", engine="1") == 3.0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import statistics
 from collections.abc import Callable
@@ -16,10 +17,19 @@ import pytest
 from support.sse_server import HITS_PER_REPLY, PROMPT_TOKENS, TOKENS_PER_REPLY
 
 from cadence.bench.cli import register
-from cadence.bench.datasets import BenchRequest, prefix_repetition_requests
+from cadence.bench.datasets import BenchRequest, prefix_repetition_requests, trace_requests
 from cadence.bench.metrics import compute_metrics
 from cadence.bench.prefix_cache_probe import PrefixCacheCounts, parse_counts
-from cadence.bench.serve import ServeTarget, arrival_delays, format_report, measure, run_load
+from cadence.bench.serve import (
+    ServeTarget,
+    arrival_delays,
+    arrival_offsets,
+    build_prompts,
+    format_report,
+    measure,
+    request_body,
+    run_load,
+)
 
 
 def _serve_args(*args: str) -> argparse.Namespace:
@@ -107,3 +117,46 @@ def test_a_cadence_server_reports_its_prefix_cache_hits(
         _, metrics = measure(_serve_args("--base-url", process.url, *args))
     assert metrics.completed == 6 and metrics.prefix_cache_hit_rate is not None
     assert 0.5 < metrics.prefix_cache_hit_rate < 1.0
+
+
+def test_a_trace_replays_at_its_own_times_with_its_token_ids_and_fields(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    rows = [{"arrival_time": 12.0, "prompt_tokens": 3, "output_tokens": 2, "priority": 2},
+            {"arrival_time": 10.0, "prompt_tokens": [7, 8, 9, 10], "output_tokens": 5, "user": "ann",
+             "extra_args": {"deadline_s": 1.5}},
+            {"arrival_time": 13.0, "prompt_tokens": 1, "output_tokens": 1}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    requests = trace_requests(path, vocab_size=500, seed=1, time_scale=0.5)
+    assert [r.arrival_time for r in requests] == [0.0, 1.0, 1.5]  # from the first, scaled
+    assert arrival_offsets(requests, math.inf, 1.0, 0) == [0.0, 1.0, 1.5]
+    first, second, _ = requests
+    assert (first.prompt, first.output_len, first.user, first.extra_args) == ([7, 8, 9, 10], 5, "ann",
+                                                                               {"deadline_s": 1.5})
+    assert len(second.prompt) == 3 and all(100 <= t < 500 for t in second.prompt) and second.priority == 2
+    assert [r.prompt for r in trace_requests(path, 500, seed=1, num=2)] == [r.prompt for r in requests[:2]]
+    target = ServeTarget("http://h", "/v1/completions", "m", None, ignore_eos=False)
+    assert request_body(target, first, first.prompt) == {
+        "model": "m", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True},
+        "temperature": 0.0, "prompt": [7, 8, 9, 10], "user": "ann", "vllm_xargs": {"deadline_s": 1.5}}
+    assert request_body(target, second, "text")["priority"] == 2
+    # Synthetic arrivals: the running sums of the gaps.
+    gaps = arrival_delays(3, 4.0, 1.0, seed=2)
+    assert arrival_offsets([BenchRequest([1], 1, 1)] * 3, 4.0, 1.0, 2) == [gaps[0], gaps[0] + gaps[1], sum(gaps)]
+
+
+def test_a_trace_needs_its_file_and_keeps_its_own_arrivals(tmp_path: Path,
+                                                           make_tiny_model: Callable[..., Path]) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps({"arrival_time": 0, "prompt_tokens": [5, 6], "output_tokens": 1}) + "\n")
+    tokenizer = str(make_tiny_model("llama"))
+    with pytest.raises(ValueError, match="--dataset-path"):
+        build_prompts(_serve_args("--dataset-name", "trace", "--tokenizer", tokenizer))
+    with pytest.raises(ValueError, match="drop --request-rate"):
+        build_prompts(_serve_args("--dataset-name", "trace", "--dataset-path", str(path), "--request-rate", "3",
+                                  "--tokenizer", tokenizer))
+    _, prompts = build_prompts(_serve_args("--dataset-name", "trace", "--dataset-path", str(path),
+                                           "--tokenizer", tokenizer))
+    assert prompts == [[5, 6]]  # token ids, as they are, to /v1/completions
+    _, prompts = build_prompts(_serve_args("--dataset-name", "trace", "--dataset-path", str(path),
+                                           "--tokenizer", tokenizer, "--endpoint", "/v1/chat/completions"))
+    assert isinstance(prompts[0], str)  # chat takes text

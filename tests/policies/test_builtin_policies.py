@@ -5,6 +5,7 @@ them by name and checks option errors through the loader; ``property_tests/`` ru
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import pytest
@@ -39,6 +40,7 @@ class View:
     num_output_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
+    extra_args: dict[str, str | int | float | bool] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +54,7 @@ def decoding(request_id: str, **kwargs: object) -> View:
     return view
 
 
-def ids(views: list[RequestView]) -> list[str]:
+def ids(views: Iterable[RequestView]) -> list[str]:
     return [v.request_id for v in views]
 
 
@@ -173,7 +175,10 @@ def test_priority_admits_by_priority_then_arrival_keeping_queue_order_on_ties() 
     waiting = [View("late-high", priority=0, arrival_time=9.0), View("low", priority=3, arrival_time=0.0),
                View("tie-2", priority=1, arrival_time=4.0), View("tie-1", priority=1, arrival_time=4.0),
                View("early-high", priority=0, arrival_time=1.0), View("negative", priority=-1, arrival_time=10.0)]
-    assert ids(PriorityPolicy(CONTEXT).order_waiting(waiting)) == [
+    policy = PriorityPolicy(CONTEXT)
+    for view in waiting:
+        policy.on_arrival(view)
+    assert ids(policy.order_waiting(waiting)) == [
         "negative", "early-high", "late-high", "tie-2", "tie-1", "low"]
 
 
@@ -229,7 +234,7 @@ def test_sjf_ages_a_waiting_request_by_the_admissions_since_its_arrival() -> Non
         policy.on_arrival(short)  # after i admissions
         shorts.append(short)
         assert policy.score(long_job) == 20.0 - 2 * i
-        assert policy.order_waiting([long_job, short])[0] is short
+        assert next(iter(policy.order_waiting([long_job, short]))) is short
         policy.on_scheduled(short, 5)  # admitted
         policy.on_scheduled(short, 1)  # scheduled again while running: not an admission
     # Four admissions in all; each short one aged by those after its arrival.
@@ -245,7 +250,7 @@ def test_sjf_long_job_overtakes_once_aged_enough() -> None:
     for i in range(5):
         short = View(f"s{i}", num_prompt_tokens=3, max_tokens=2, arrival_time=1.0 + i)  # length 5
         policy.on_arrival(short)
-        first = policy.order_waiting([long_job, short])[0]
+        first = next(iter(policy.order_waiting([long_job, short])))
         order.append(first.request_id)
         policy.on_scheduled(first, first.num_prompt_tokens)
         if first is long_job:

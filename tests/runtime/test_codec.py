@@ -63,7 +63,7 @@ EXAMPLES: list[Any] = [
     OUTPUTS,
     m.EngineCoreOutputs([], timestamp=3.5,
                         kv_delta=m.KVCacheDelta(stored=[2**64 - 1, 0, 7], removed=[9], cleared=True)),
-    m.EngineCoreReady(num_blocks=40, block_size=16),
+    m.EngineCoreReady(num_blocks=40, block_size=16, policy="fcfs (chunked=true)"),
     m.EngineDead("engine core exited"),
     m.TrackRequest("r1", [1, 2, 3], PARAMS),
     m.DetokenizedOutputs([m.SequenceDelta("r1", "hi ✓", [11], [LOGPROBS], "stop", "\n", 16, 0.25),
@@ -155,7 +155,7 @@ def test_the_channel_unions_decode_each_of_their_members() -> None:
     events: Codec[Any] = Codec(m.EngineCoreEvent)
     for message in (REQUEST, m.AbortRequests(["a"])):
         assert_same(inputs.decode(inputs.encode(message)), message)
-    for message in (OUTPUTS, m.EngineCoreReady(3, 16), m.EngineDead("x")):
+    for message in (OUTPUTS, m.EngineCoreReady(3, 16, "fcfs (chunked=true)"), m.EngineDead("x")):
         assert_same(events.decode(events.encode(message)), message)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cadence.core.scheduler import Scheduler
+from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
 from cadence.messages import SchedulerOutput
 from cadence.policies.fcfs import FCFSPolicy
 from cadence.policies.loader import installed_policies
@@ -180,6 +181,23 @@ def test_simulate_verb_prints_a_table_and_writes_json_and_plots(
     again = json.loads((tmp_path / "again" / "results.json").read_text())
     assert again["results"][0]["median_ttft_ms"] == data["results"][0]["median_ttft_ms"]
     assert not (tmp_path / "again" / "latency_cdf.png").exists()
+
+
+def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(
+        make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    folder = str(make_tiny_model("llama"))
+    ns = _cli().parse_args(["simulate", "--model", folder, "--num-kv-blocks", "64", "--num-requests", "4",
+                            "--input-len", "8", "--output-len", "4", "--output-dir", str(tmp_path), "--no-plots"])
+    assert ns.run(ns) == 0
+    limits = json.loads((tmp_path / "results.json").read_text())["limits"]
+    assert (limits["max_num_batched_tokens"], limits["target_itl_ms"]) == (
+        DEFAULT_TOKEN_BUDGET["serving"], DEFAULT_TARGET_ITL_MS["serving"])
+    assert (EngineLimits().max_num_batched_tokens, EngineLimits().target_itl_ms) == (
+        DEFAULT_TOKEN_BUDGET["serving"], DEFAULT_TARGET_ITL_MS["serving"])
+    for flag in ("--data-parallel-size", "--tensor-parallel-size"):
+        ns = _cli().parse_args(["simulate", "--model", folder, flag, "2", "--output-dir", str(tmp_path)])
+        with pytest.raises(ValueError, match="models one engine core on one rank"):
+            ns.run(ns)
 
 
 def test_calibrate_verb_writes_a_cost_model_the_simulator_loads(

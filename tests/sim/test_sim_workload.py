@@ -88,12 +88,14 @@ def test_trace_loads_sorted_with_ids_and_optional_fields(tmp_path: Path) -> None
     rows = [
         {"arrival_time": 2.0, "prompt_tokens": 5, "output_tokens": 3, "user": "bob", "priority": 1},
         {"arrival_time": 0.5, "prompt_tokens": [7, 8, 9], "output_tokens": 1, "request_id": "first"},
+        {"arrival_time": 3.0, "prompt_tokens": 2, "output_tokens": 1, "extra_args": {"deadline_s": 1.5, "slo": "gold"}},
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     specs = load_trace(path)
-    assert [s.arrival_time for s in specs] == [0.5, 2.0]
+    assert [s.arrival_time for s in specs] == [0.5, 2.0, 3.0]
     assert specs[0] == RequestSpec(0.5, 3, 1, request_id="first", prompt_token_ids=(7, 8, 9))
     assert specs[1] == RequestSpec(2.0, 5, 3, priority=1, user="bob", request_id="0")
+    assert specs[2] == RequestSpec(3.0, 2, 1, request_id="2", extra_args={"deadline_s": 1.5, "slo": "gold"})
     out = tmp_path / "again.jsonl"
     save_trace(specs, out)
     assert load_trace(out) == specs
@@ -105,6 +107,8 @@ def test_trace_loads_sorted_with_ids_and_optional_fields(tmp_path: Path) -> None
     ({"arrival_time": 0, "prompt_tokens": "long", "output_tokens": 2}, "prompt_tokens must be"),
     ({"arrival_time": -1, "prompt_tokens": 5, "output_tokens": 2}, "arrival_time must be"),
     ({"arrival_time": 0, "prompt_tokens": 0, "output_tokens": 2}, "at least one prompt token"),
+    ({"arrival_time": 0, "prompt_tokens": 1, "output_tokens": 2, "extra_args": {"d": [1]}}, "extra_args must be"),
+    ({"arrival_time": 0, "prompt_tokens": 1, "output_tokens": 2, "extra_args": 3}, "extra_args must be"),
 ])
 def test_bad_trace_lines_name_the_line(tmp_path: Path, row: dict, message: str) -> None:
     path = tmp_path / "bad.jsonl"

@@ -61,7 +61,8 @@ class ScriptedEngine:
                                   eos_token_id=0)
         self.dead: str | None = None
         # The pool's block count includes its null block.
-        self.cores = [SimpleNamespace(stats=stats, num_pending=num_pending, client=SimpleNamespace(num_blocks=11))]
+        client = SimpleNamespace(num_blocks=11, policy="fcfs (chunked=true)")
+        self.cores = [SimpleNamespace(stats=stats, num_pending=num_pending, client=client)]
         self.num_pending_requests = 0
         self.script = script
         self.calls: list[Call] = []
