@@ -63,7 +63,8 @@ def main() -> int:
     parser.add_argument("--steps-json", default=None, help="write the real run's step timings to this file")
     args = parser.parse_args()
 
-    engine = LLM(model=args.model, dtype=args.dtype, num_threads=args.num_threads)
+    # As `cadence serve` runs it (its step budget and latency target): what `cadence simulate` models.
+    engine = LLM(model=args.model, dtype=args.dtype, num_threads=args.num_threads, usage_context="serving")
     calibration_steps: list[TimedStep] = []
     if args.cost_model:
         cost_model = CostModel.load(args.cost_model)

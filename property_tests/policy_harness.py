@@ -17,6 +17,7 @@ from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.policies.base import PolicyContext, SchedulingPolicy
+from cadence.policies.clock import VirtualClock
 from cadence.policies.loader import load_policy
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams
@@ -74,8 +75,8 @@ def build_scheduler(policy: str, options: dict[str, str] | None = None, *, budge
                              enable_chunked_prefill=engine_chunked,
                              long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
                              policy_options=options or {}, target_itl_ms=target_itl_ms)
-    context = PolicyContext(budget, max_num_seqs, engine_chunked, long_prefill_token_threshold)
-    return Scheduler(config, allocator, load_policy(policy, context, options))
+    # Arrivals are stamped with their step number, and the clock reads it too.
+    return Scheduler(config, allocator, load_policy(policy, PolicyContext.of(config, VirtualClock()), options))
 
 
 def run(scheduler: Scheduler, workload: list[Arrival], seed: int = 0, eos_rate: float = 0.05) -> Trace:
@@ -86,7 +87,10 @@ def run(scheduler: Scheduler, workload: list[Arrival], seed: int = 0, eos_rate: 
     on_worker: set[str] = set()
     pending = sorted(enumerate(workload), key=lambda item: item[1].step)
     step = 0
+    clock = scheduler.policy.context.clock
+    assert isinstance(clock, VirtualClock)
     while pending or scheduler.num_unfinished:
+        clock.time = float(step)
         while pending and pending[0][1].step <= step:
             index, arrival = pending.pop(0)
             params = SamplingParams(max_tokens=arrival.max_tokens, temperature=0)

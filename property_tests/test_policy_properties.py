@@ -1,4 +1,5 @@
-"""Every built-in policy over random arrival streams, with a fake model.
+"""Every installed policy (the built-ins, and any plugin installed beside them) over random arrival
+streams, with a fake model.
 
 All policies: the budget and seats hold, nothing is lost, duplicated or stuck (see
 ``policy_harness``). Then each policy's own promise:
@@ -18,9 +19,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from policy_harness import Arrival, Trace, build_scheduler, pool_for, run
 
+from cadence.policies.loader import installed_policies
 from cadence.request import Request
 
-POLICIES = ["fcfs", "chunked-prefill", "priority", "sjf", "fair"]
+# Every installed policy: a plugin installed beside cadence is held to the same limits.
+POLICIES = installed_policies()
 USERS = ["ann", "bob", "cy", None]
 
 arrivals = st.builds(

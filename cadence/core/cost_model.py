@@ -5,8 +5,9 @@
 
 - ``prefill_tokens``: tokens of requests given more than one token (linear layers, KV writes);
 - ``decode_seqs``: requests given exactly one token (the same layers, one row each);
-- ``kv_tokens``: cached tokens the decodes attend over, padded to the longest decode as the
-  ``sdpa`` backend gathers them (``decodes × longest decode context``);
+- ``kv_tokens``: cached tokens the decodes attend over, the sum of their contexts: the ``sdpa``
+  backend's C++ kernels read each request's own cache up to its position (its torch fallback, on
+  CPUs without AVX-512, pads every decode to the longest: a fit there averages the padding in);
 - ``prefill_attn``: query × key pairs of the prefills (``Σ new · context``), the quadratic part;
 - ``prefills``: requests given more than one token (one attention call per layer each);
 - ``sampled``: requests that reach the end of their known tokens (LM head rows and sampling).
@@ -35,23 +36,25 @@ _REWEIGHTS = 8
 # first call): it is left out of the next iteration. Quiet runs have a few percent of noise.
 _OUTLIER_SIGMAS = 3.0
 _MIN_OUTLIER_BAND = 0.1
-_VERSION = 1
+# 2: kv_tokens is the decodes' summed contexts (1: decodes x the longest context).
+_VERSION = 2
 
-# Fitted by `cadence simulate calibrate` for SmolLM2-135M-Instruct, bf16, sdpa, 2 threads, on the
-# 2-core development machine (see DEFAULT_METADATA): a usable starting point when no file is given.
+# The fallback (`--cost-model builtin`): fitted by `cadence simulate calibrate` for the default model
+# (SmolLM2-135M-Instruct, Q4_1 GGUF, bf16 activations, sdpa, 2 threads, serve's defaults) on the
+# 2-core development machine (see DEFAULT_METADATA). Another machine or model gets its own fit.
 DEFAULT_COEFFICIENTS: dict[str, float] = {
-    "const": 0.0154,
-    "prefill_tokens": 4.12e-4,
-    "decode_seqs": 2.43e-4,
-    "kv_tokens": 3.68e-6,
-    "prefill_attn": 2.38e-7,
-    "prefills": 0.0,
+    "const": 6.07e-3,
+    "prefill_tokens": 7.25e-4,
+    "decode_seqs": 1.09e-3,
+    "kv_tokens": 2.12e-6,
+    "prefill_attn": 1.02e-6,
+    "prefills": 3.70e-3,
     "sampled": 0.0,
 }
 DEFAULT_METADATA: dict[str, Any] = {
-    "model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "attention_backend": "sdpa", "threads": 2,
-    "cpu_count": 2, "date": "2026-11-29T16:18", "source": "built-in",
-    "fit": {"num_samples": 661, "median_rel_error": 0.042, "total_time_ratio": 0.963},
+    "model": "SmolLM2-135M-Instruct.Q4_1", "dtype": "bfloat16", "quantization": "gguf", "attention_backend": "sdpa",
+    "threads": 2, "cpu_count": 2, "date": "2026-12-02T07:36", "source": "built-in fallback",
+    "fit": {"num_samples": 1809, "median_rel_error": 0.070, "total_time_ratio": 1.004},
 }
 
 
@@ -80,18 +83,18 @@ class StepShape:
 def step_shape(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
     """The shape of a step from each request's part in it: (tokens scheduled, its position after
     them, whether it samples a token)."""
-    prefill_tokens = decode_seqs = prefills = prefill_attn = sampled = longest_decode = 0
+    prefill_tokens = decode_seqs = prefills = prefill_attn = sampled = kv_tokens = 0
     for num, end, samples in chunks:
         if num == 1:
             decode_seqs += 1
-            longest_decode = max(longest_decode, end)
+            kv_tokens += end
         else:
             prefills += 1
             prefill_tokens += num
             prefill_attn += num * end
         sampled += samples
     return StepShape(num_seqs=decode_seqs + prefills, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs,
-                     kv_tokens=decode_seqs * longest_decode, prefill_attn=prefill_attn, prefills=prefills,
+                     kv_tokens=kv_tokens, prefill_attn=prefill_attn, prefills=prefills,
                      sampled=sampled)
 
 
@@ -160,7 +163,8 @@ class CostModel:
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ValueError(f"{path} is not a cadence cost model (write one with `cadence simulate calibrate`)")
         if data.get("version") != _VERSION:
-            raise ValueError(f"{path} is cost-model version {data.get('version')}; this cadence reads {_VERSION}")
+            raise ValueError(f"{path} is cost-model version {data.get('version')}; this cadence reads {_VERSION}: "
+                             "calibrate again (`cadence simulate calibrate`)")
         return cls({k: float(v) for k, v in data["coefficients"].items()}, data.get("metadata", {}))
 
     def describe(self) -> str:

@@ -60,8 +60,7 @@ class StepBudget:
         if not decode_ends:
             return math.inf
         n = len(decode_ends)
-        decodes = self.model.step_time(StepShape(num_seqs=n, decode_seqs=n, kv_tokens=n * max(decode_ends),
-                                                 sampled=n))
+        decodes = self.model.step_time(StepShape(num_seqs=n, decode_seqs=n, kv_tokens=sum(decode_ends), sampled=n))
         return max(self.target_s - decodes, decodes)
 
     def prefill_tokens(self, seconds: float, start: int) -> int:

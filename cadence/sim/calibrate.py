@@ -9,8 +9,9 @@ next one's, taken while the engine stays busy.
 The default plan covers the shapes a serving run produces in about a minute on SmolLM2 bf16 on
 two cores: decode batches from 1 to ``max_num_seqs`` over short and long contexts (long shared
 prefixes make big batches over long contexts cheap to set up), full prefill budgets, one long
-prompt (the quadratic attention term), and Poisson streams (fast, then slow) that mix prefills
-with decodes as serving does.
+prompt (the quadratic attention term), a burst with ShareGPT-like lengths (heavy-tailed prompts
+and outputs: the varied contexts and prefill chunks beside big decode batches of a loaded server),
+and Poisson streams (fast, then slow) that mix prefills with decodes as serving does.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from cadence.core.cost_model import CostModel, FitQuality, StepShape, fit_cost_m
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.sim.replay import replay
 from cadence.sim.runner import ShapeTracker
-from cadence.sim.workload import RequestSpec, arrival_times
+from cadence.sim.workload import LengthDist, RequestSpec, arrival_times
 
 if TYPE_CHECKING:
     from cadence.engine.llm import LLM
@@ -85,6 +86,13 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
         return [RequestSpec(0.0, prefix + n, output, prompt_token_ids=tuple(
                     common + rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=n).tolist())) for n in suffixes]
 
+    def mixed_lengths(count: int, output_cap: int) -> list[RequestSpec]:
+        # ShareGPT-like: lognormal prompts (mean 240) and outputs (mean 160), capped.
+        prompts = np.minimum(LengthDist("lognormal", (240.0, 1.0)).sample(count, rng), max_model_len // 4)
+        outputs = np.minimum(LengthDist("lognormal", (160.0, 0.8)).sample(count, rng), output_cap)
+        return [RequestSpec(0.0, int(p), int(min(o, max_model_len - p - 1)))
+                for p, o in zip(prompts, outputs, strict=True)]
+
     def stream(count: int, rate: float) -> list[RequestSpec]:
         times = arrival_times(count, rate, rng=rng)
         prompts = rng.integers(32, 512, size=count, endpoint=True)
@@ -95,7 +103,8 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
     if quick:
         return [Phase("warm-up", burst(2, 16, 2)), Phase("decode x1", burst(1, 16, 8)),
                 Phase("decode x8", burst(8, 64, 8)), Phase("decode x32", burst(32, 32, 8)),
-                Phase("long prompt", burst(1, 400, 2)), Phase("poisson mix", stream(12, 40.0))]
+                Phase("long prompt", burst(1, 400, 2)), Phase("mixed lengths", mixed_lengths(16, 16)),
+                Phase("poisson mix", stream(12, 40.0))]
     return [
         Phase("warm-up", burst(2, 64, 4)),
         Phase("decode x1", burst(1, 32, 24)),
@@ -110,6 +119,8 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
         # fall out of the CPU caches. The model keeps the range serving actually reaches.
         *([Phase("shared context x48", shared(48, 320, 24)), Phase("shared context x96", shared(96, 384, 24))]
           if prefix_caching else []),
+        # A loaded server's steps: big decode batches over varied contexts, prefill chunks beside them.
+        Phase("mixed lengths x64", mixed_lengths(min(64, max_num_seqs), 384)),
         # Serving-like steps: several prefills with decodes, then one prefill at a time.
         Phase("poisson mix", stream(30, 6.0)),
         Phase("slow poisson mix", stream(24, 2.5)),
@@ -211,6 +222,7 @@ def _metadata(engine: LLM, num_steps: int, median_gap: float) -> dict[str, Any]:
         "model": os.path.basename(config.model.path.rstrip("/")),
         "model_path": config.model.path,
         "dtype": config.model.dtype,
+        "quantization": config.model.quantization,
         "device": config.device.device,
         "attention_backend": _attention_backend(engine),
         # Each rank's: the workers of several ranks run in other processes, with their share.

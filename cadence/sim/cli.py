@@ -2,9 +2,12 @@
 
 ``cadence simulate`` runs a workload (a JSONL trace, or synthetic Poisson/Gamma arrivals) through
 the real scheduler under one or more policies on a virtual clock, prints the serving metrics per
-policy, and writes them as JSON with PNG plots. ``cadence simulate calibrate`` times the real
-engine and writes the cost model the simulator uses. Engine flags are the same as ``generate``'s;
-for ``calibrate`` give them after the sub-verb. A simulation models a server: options left out
+policy, and writes them as JSON with PNG plots. Step times come from a cost model fitted on this
+machine for the model, dtype, quantization and thread count given (``cost_store.py``): ``cadence
+simulate calibrate`` times the real engine and stores one, and ``cadence simulate`` calibrates
+first when none is stored yet (a minute and a half on the default model, 2 cores), unless ``--cost-model``
+names a file or the built-in fallback. Engine flags are the same as ``generate``'s; for
+``calibrate`` give them after the sub-verb. A simulation models a server: options left out
 take ``cadence serve``'s defaults (a 512-token step budget, the 100 ms inter-token latency target),
 and it models one engine core on one rank.
 """
@@ -16,9 +19,14 @@ import math
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cadence.engine_args import add_engine_args, engine_args_from
+from cadence.core.cost_model import CostModel
+from cadence.engine_args import EngineArgs, add_engine_args, engine_args_from
+from cadence.sim.cost_store import BUILTIN, FitKey, store_fit, stored_fit
+
+if TYPE_CHECKING:
+    from cadence.config import EngineConfig
 
 
 def register(verbs: argparse._SubParsersAction[Any]) -> None:
@@ -32,10 +40,12 @@ def register(verbs: argparse._SubParsersAction[Any]) -> None:
     sub = sim.add_subparsers(dest="simulate_verb", metavar="{calibrate}")
     cal = sub.add_parser("calibrate", help="time the real engine and fit the simulator's cost model",
                          allow_abbrev=False,
-                         description="Runs a fixed plan of workloads (about a minute on SmolLM2 bf16, 2 cores) "
-                                     "through the real engine and writes the fitted cost model.")
+                         description="Runs a fixed plan of workloads (a minute and a half on the default model, "
+                                     "2 cores) through the real engine as it serves, and stores the fitted cost "
+                                     "model as this machine's for the engine options given.")
     add_engine_args(cal)
-    cal.add_argument("--output", required=True, help="where to write the cost model (JSON)")
+    cal.add_argument("--output", default=None,
+                     help="also write the cost model here (JSON); it is always stored as this machine's fit")
     cal.add_argument("--quick", action="store_true", help="a plan of a few seconds (small models, smoke tests)")
     cal.set_defaults(run=run_calibrate)
 
@@ -60,8 +70,11 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("policies and report")
     g.add_argument("--compare", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                    help="also run this policy (with these options); repeatable")
-    g.add_argument("--cost-model", default=None,
-                   help="cost model from `cadence simulate calibrate` (default: built-in SmolLM2 figures)")
+    g.add_argument("--cost-model", default=None, metavar="FILE|builtin",
+                   help="a cost model file, or builtin (SmolLM2-135M bf16 on a 2-core machine: a fallback); "
+                        "default: this machine's stored fit for the engine options, calibrated first if none is")
+    g.add_argument("--quick-calibration", action="store_true",
+                   help="when a fit must be calibrated first, time a plan of a few seconds (small models)")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput: ttft, tpot, e2el in milliseconds, e.g. ttft:500 tpot:50")
     g.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles to report")
@@ -86,21 +99,19 @@ def _policy_specs(ns: argparse.Namespace) -> list[tuple[str, str, dict[str, str]
 
 def run_simulate(ns: argparse.Namespace) -> int:
     from cadence.bench.metrics import parse_goodput
-    from cadence.core.cost_model import CostModel
     from cadence.sim import report
     from cadence.sim.simulator import EngineLimits, simulate
     from cadence.sim.workload import describe, load_trace, save_trace, synthetic_workload
 
     slos = parse_goodput(ns.goodput)
     percentiles = _percentiles(ns.metric_percentiles)
-    args = replace(engine_args_from(ns), usage_context="serving")
+    args = _serving_args(ns)
     if args.data_parallel_size != 1 or args.tensor_parallel_size != 1:
         raise ValueError("cadence simulate models one engine core on one rank; drop --data-parallel-size and "
                          "--tensor-parallel-size (calibrate the cost model on the engine you want to model)")
     config = args.create_config()
     limits = EngineLimits.from_engine_config(config)
-    cost_model = CostModel.load(ns.cost_model) if ns.cost_model else CostModel.default()
-    _warn_on_mismatch(cost_model, config.model.path, config.model.dtype, bool(ns.cost_model))
+    cost_model = _cost_model(ns, args, config)
     if ns.trace:
         workload = load_trace(ns.trace)
     else:
@@ -130,18 +141,52 @@ def run_simulate(ns: argparse.Namespace) -> int:
 
 
 def run_calibrate(ns: argparse.Namespace) -> int:
+    model = _calibrate(_serving_args(ns), ns.seed, ns.quick)
+    print(model.describe())
+    if ns.output:
+        model.save(ns.output)
+        print(f"wrote {ns.output}", file=sys.stderr)
+    return 0
+
+
+def _serving_args(ns: argparse.Namespace) -> EngineArgs:
+    """The engine options given, with ``serve``'s defaults for the rest: a simulation models a server,
+    and a calibration times the engine as it serves."""
+    return replace(engine_args_from(ns), usage_context="serving")
+
+
+def _calibrate(args: EngineArgs, seed: int, quick: bool) -> CostModel:
+    """Time the engine ``args`` describe, store the fit as this machine's for them, and return it."""
     from cadence.engine.llm import LLM
     from cadence.sim.calibrate import calibrate
 
-    engine = LLM(**vars(engine_args_from(ns)))
-    model, quality = calibrate(engine, seed=ns.seed, quick=ns.quick,
-                               progress=lambda line: print(line, file=sys.stderr))
-    model.save(ns.output)
-    print(model.describe())
+    engine = LLM(**vars(args))
+    model, quality = calibrate(engine, seed=seed, quick=quick, progress=lambda line: print(line, file=sys.stderr))
     print(f"fit over {quality.num_samples} steps: median relative error {100 * quality.median_rel_error:.1f}%, "
-          f"p90 {100 * quality.p90_rel_error:.1f}%, total time ratio {quality.total_time_ratio:.3f}")
-    print(f"wrote {ns.output}", file=sys.stderr)
-    return 0
+          f"p90 {100 * quality.p90_rel_error:.1f}%, total time ratio {quality.total_time_ratio:.3f}", file=sys.stderr)
+    key = FitKey.of(engine.config)
+    print(f"stored as this machine's fit for {key.describe()}: {store_fit(model, key)}", file=sys.stderr)
+    engine.shutdown()
+    return model
+
+
+def _cost_model(ns: argparse.Namespace, args: EngineArgs, config: EngineConfig) -> CostModel:
+    """``--cost-model``'s file or the built-in fallback; else the stored fit, calibrated first if none is."""
+    key = FitKey.of(config)
+    if ns.cost_model == BUILTIN:
+        print("using the built-in cost model, a fallback (SmolLM2-135M bf16 on a 2-core machine): its step times "
+              "are not this machine's nor this model's", file=sys.stderr)
+        return CostModel.default()
+    if ns.cost_model:
+        model = CostModel.load(ns.cost_model)
+        _warn_on_mismatch(model, key)
+        return model
+    stored = stored_fit(key)
+    if stored is not None:
+        print(f"cost model: this machine's fit for {key.describe()} ({key.path})", file=sys.stderr)
+        return stored
+    print(f"no cost model is stored for {key.describe()} on this machine: calibrating first", file=sys.stderr)
+    return _calibrate(args, ns.seed, ns.quick_calibration)
 
 
 def _percentiles(text: str) -> tuple[float, ...]:
@@ -154,15 +199,10 @@ def _percentiles(text: str) -> tuple[float, ...]:
     return values
 
 
-def _warn_on_mismatch(cost_model: Any, model_path: str, dtype: str, from_file: bool) -> None:
+def _warn_on_mismatch(cost_model: CostModel, key: FitKey) -> None:
     meta = cost_model.metadata
-    if not from_file:
-        print("using the built-in cost model (SmolLM2-135M bf16 on 2 CPU cores); for your machine and model run "
-              "`cadence simulate calibrate --output costs.json` and pass --cost-model costs.json", file=sys.stderr)
-        return
-    model = Path(model_path.rstrip("/")).name
-    for key, want in (("model", model), ("dtype", dtype)):
-        have = meta.get(key)
+    for name, want in vars(key).items():
+        have = meta.get(name)
         if have is not None and have != want:
-            print(f"warning: the cost model was calibrated with {key}={have}, this simulation has {want}",
+            print(f"warning: the cost model was calibrated with {name}={have}, this simulation has {want}",
                   file=sys.stderr)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -161,7 +163,8 @@ def test_simulate_verb_prints_a_table_and_writes_json_and_plots(
     folder = str(make_tiny_model("llama"))
     out = tmp_path / "out"
     ns = _cli().parse_args([
-        "simulate", "--model", folder, "--num-kv-blocks", "64", "--num-requests", "40", "--request-rate", "10",
+        "simulate", "--model", folder, "--cost-model", "builtin", "--num-kv-blocks", "64", "--num-requests", "40",
+        "--request-rate", "10",
         "--input-len", "uniform:8:64", "--output-len", "8", "--tenants", "2", "--compare", "fcfs:",
         "--goodput", "ttft:500", "tpot:100", "--output-dir", str(out), "--save-trace", str(tmp_path / "t.jsonl"),
     ])
@@ -175,8 +178,9 @@ def test_simulate_verb_prints_a_table_and_writes_json_and_plots(
     assert (out / "latency_cdf.png").stat().st_size > 0 and (out / "queue_kv.png").stat().st_size > 0
 
     # The saved trace replays to the same figures.
-    ns = _cli().parse_args(["simulate", "--model", folder, "--num-kv-blocks", "64", "--trace",
-                            str(tmp_path / "t.jsonl"), "--output-dir", str(tmp_path / "again"), "--no-plots"])
+    ns = _cli().parse_args(["simulate", "--model", folder, "--cost-model", "builtin", "--num-kv-blocks", "64",
+                            "--trace", str(tmp_path / "t.jsonl"), "--output-dir", str(tmp_path / "again"),
+                            "--no-plots"])
     assert ns.run(ns) == 0
     again = json.loads((tmp_path / "again" / "results.json").read_text())
     assert again["results"][0]["median_ttft_ms"] == data["results"][0]["median_ttft_ms"]
@@ -186,7 +190,8 @@ def test_simulate_verb_prints_a_table_and_writes_json_and_plots(
 def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(
         make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     folder = str(make_tiny_model("llama"))
-    ns = _cli().parse_args(["simulate", "--model", folder, "--num-kv-blocks", "64", "--num-requests", "4",
+    ns = _cli().parse_args(["simulate", "--model", folder, "--cost-model", "builtin", "--num-kv-blocks", "64",
+                            "--num-requests", "4",
                             "--input-len", "8", "--output-len", "4", "--output-dir", str(tmp_path), "--no-plots"])
     assert ns.run(ns) == 0
     limits = json.loads((tmp_path / "results.json").read_text())["limits"]
@@ -201,7 +206,9 @@ def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(
 
 
 def test_calibrate_verb_writes_a_cost_model_the_simulator_loads(
-        make_tiny_model: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        make_tiny_model: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENCE_COST_MODELS_DIR", str(tmp_path / "fits"))
     folder = str(make_tiny_model("llama"))
     costs = tmp_path / "costs.json"
     ns = _cli().parse_args(["simulate", "calibrate", "--model", folder, "--dtype", "float32",
@@ -211,3 +218,32 @@ def test_calibrate_verb_writes_a_cost_model_the_simulator_loads(
     assert model.metadata["dtype"] == "float32" and model.metadata["fit"]["num_samples"] > 20
     assert model.step_time(StepShape(num_seqs=1, decode_seqs=1, sampled=1)) > 0
     assert "step_time_s = " in capsys.readouterr().out
+    # Also stored as this machine's fit for the model, dtype, quantization and threads.
+    (stored,) = (tmp_path / "fits").iterdir()
+    assert stored.name == f"{Path(folder).name}-float32-none-{os.cpu_count()}t.json"
+    assert CostModel.load(stored) == model
+
+
+def test_simulate_uses_the_stored_fit_calibrates_first_without_one_and_names_the_fallback(
+        make_tiny_model: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENCE_COST_MODELS_DIR", str(tmp_path / "fits"))
+    folder = str(make_tiny_model("llama"))
+
+    def simulate_verb(*flags: str) -> tuple[dict[str, Any], str]:
+        out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+        ns = _cli().parse_args(["simulate", "--model", folder, "--dtype", "float32", "--num-threads", "1",
+                                "--num-kv-blocks", "512", "--num-requests", "4", "--input-len", "8",
+                                "--output-len", "4", "--no-plots", "--output-dir", str(out), *flags])
+        assert ns.run(ns) == 0
+        return json.loads((out / "results.json").read_text())["cost_model"], capsys.readouterr().err
+
+    first, log = simulate_verb("--quick-calibration")
+    assert "calibrating first" in log
+    (stored,) = (tmp_path / "fits").iterdir()
+    assert stored.name.endswith("-float32-none-1t.json") and CostModel.load(stored).to_json() == first
+    assert first["metadata"]["threads"] == 1 and first["metadata"]["fit"]["num_samples"] > 20
+    again, log = simulate_verb()
+    assert "calibrating" not in log and "this machine's fit" in log and again == first
+    builtin, log = simulate_verb("--cost-model", "builtin")
+    assert "fallback" in log and builtin == CostModel.default().to_json()

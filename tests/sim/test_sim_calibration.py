@@ -46,9 +46,9 @@ def steps_and_shapes() -> Iterator[tuple[SchedulerOutput, StepShape, list[str]]]
     yield (output(1, {"B": 1, "A": 2}, cached={"A": 8, "B": 6}),
            StepShape(num_seqs=2, prefill_tokens=2, decode_seqs=1, kv_tokens=7, prefill_attn=2 * 10, prefills=1,
                      sampled=2), ["B", "A"])
-    # Two decodes (contexts 11 and 8: padded to the longest) and a new 3-token prompt.
+    # Two decodes (contexts 11 and 8: each reads its own) and a new 3-token prompt.
     yield (output(2, {"A": 1, "B": 1, "C": 3}, (new("C", 3),), cached={"A": 10, "B": 7}),
-           StepShape(num_seqs=3, prefill_tokens=3, decode_seqs=2, kv_tokens=2 * 11, prefill_attn=3 * 3, prefills=1,
+           StepShape(num_seqs=3, prefill_tokens=3, decode_seqs=2, kv_tokens=11 + 8, prefill_attn=3 * 3, prefills=1,
                      sampled=3), ["A", "B", "C"])
     # A finished, B preempted: only C is left, decoding at position 4.
     yield (output(3, {"C": 1}, cached={"C": 3}, finished=("A",), preempted=("B",)),
@@ -134,7 +134,7 @@ def test_the_quick_plan() -> None:
     plan = default_plan(max_num_seqs=4, max_model_len=256, seed=3, quick=True, vocab_size=320)
     assert [(p.name, len(p.requests)) for p in plan] == [
         ("warm-up", 2), ("decode x1", 1), ("decode x8", 4), ("decode x32", 4), ("long prompt", 1),
-        ("poisson mix", 12)]
+        ("mixed lengths", 16), ("poisson mix", 12)]
     bursts = {"warm-up": (16, 2), "decode x1": (16, 8), "decode x8": (64, 8), "decode x32": (32, 8)}
     for phase in plan:
         if phase.name in bursts:
@@ -145,7 +145,10 @@ def test_the_quick_plan() -> None:
                 (0.0, output_tokens, None)}
     [long_prompt] = plan[4].requests
     assert (long_prompt.prompt_tokens, long_prompt.output_tokens) == (256 - 2 - 1, 2)  # capped by the context
-    stream = plan[5].requests
+    mixed = plan[5].requests  # heavy-tailed lengths, capped
+    assert len({r.prompt_tokens for r in mixed}) > 2 and max(r.prompt_tokens for r in mixed) == 256 // 4
+    assert all(r.arrival_time == 0.0 and 1 <= r.output_tokens <= 16 for r in mixed)
+    stream = plan[6].requests
     times = [r.arrival_time for r in stream]
     assert times[0] == 0.0 and times == sorted(times) and len(set(times)) == 12
     assert all(16 <= r.output_tokens <= 96 and r.prompt_tokens + r.output_tokens < 256 for r in stream)
@@ -158,8 +161,8 @@ def test_the_full_plan_shares_long_prefixes_only_with_prefix_caching() -> None:
     assert [(p.name, len(p.requests)) for p in plan] == [
         ("warm-up", 2), ("decode x1", 1), ("decode x4", 4), ("decode x16", 16), ("decode x48", 48),
         ("decode x128", 128), ("long contexts x16", 16), ("long prompt", 1), ("shared context x48", 48),
-        ("shared context x96", 96), ("poisson mix", 30), ("slow poisson mix", 24)]
-    assert sum(len(p.requests) for p in plan) == 414
+        ("shared context x96", 96), ("mixed lengths x64", 64), ("poisson mix", 30), ("slow poisson mix", 24)]
+    assert sum(len(p.requests) for p in plan) == 478
     for phase, prefix in ((plan[8], 320), (plan[9], 384)):
         prompts = [r.prompt_token_ids for r in phase.requests]
         assert all(p is not None and len(p) == r.prompt_tokens for p, r in zip(prompts, phase.requests, strict=True))
@@ -169,7 +172,7 @@ def test_the_full_plan_shares_long_prefixes_only_with_prefix_caching() -> None:
         assert all(prefix + suffix * 3 // 4 <= r.prompt_tokens <= prefix + suffix * 5 // 4 for r in phase.requests)
     capped = default_plan(max_num_seqs=8, max_model_len=8192, seed=0, prefix_caching=False)
     assert [p.name for p in capped if p.name.startswith("shared")] == []
-    assert [len(p.requests) for p in capped] == [2, 1, 4, 8, 8, 8, 8, 1, 30, 24]  # bursts capped at 8 seats
+    assert [len(p.requests) for p in capped] == [2, 1, 4, 8, 8, 8, 8, 1, 8, 30, 24]  # bursts capped at 8 seats
 
 
 # ---- against the tiny engine ----------------------------------------------------------------------
