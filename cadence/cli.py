@@ -54,6 +54,20 @@ def _list_policies(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _explain_trace(ns: argparse.Namespace) -> int:
+    from cadence.sim.trace_story import TraceFile, explain
+
+    print("\n\n".join(explain(story) for story in TraceFile(ns.file).find(ns.request)))
+    return 0
+
+
+def _diff_traces(ns: argparse.Namespace) -> int:
+    from cadence.sim.trace_story import TraceFile, diff
+
+    print(diff(TraceFile(ns.a), TraceFile(ns.b), ns.top))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadence", description="LLM inference engine")
     parser.add_argument("--log-level", default="WARNING", help="logging level")
@@ -75,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     listing = policies.add_parser("list", help="each installed policy (entry point cadence.policies) and its options")
     listing.add_argument("--json", action="store_true", help="as JSON")
     listing.set_defaults(run=_list_policies)
+    trace = verbs.add_parser("trace", help="read scheduling traces (--trace-scheduling FILE)").add_subparsers(
+        dest="trace_verb", required=True)
+    story = trace.add_parser("explain", help="the story of one request: waits and why, chunks, preemptions")
+    story.add_argument("file", help="a scheduling trace (JSONL) of serve, generate or simulate")
+    story.add_argument("--request", required=True, help="the request's id in the trace, or its caller's request id")
+    story.set_defaults(run=_explain_trace)
+    compare = trace.add_parser("diff", help="two runs of the same workload (two policies, simulated and real), "
+                                            "request by request")
+    compare.add_argument("a", help="the first trace")
+    compare.add_argument("b", help="the second trace")
+    compare.add_argument("--top", type=int, default=20, help="how many of the requests whose TTFT moved most to list")
+    compare.set_defaults(run=_diff_traces)
     # Each verb's module adds its own parser.
     for register in (register_serve, register_bench, register_simulate):
         register(verbs)

@@ -88,6 +88,8 @@ class SchedulerConfig:
     target_itl_ms: float = 0.0
     policy: str = "fcfs"
     policy_options: dict[str, str] = field(default_factory=dict)
+    # A JSONL file for every scheduling decision about each request (core/scheduling_trace.py).
+    trace_scheduling: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")

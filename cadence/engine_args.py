@@ -87,6 +87,9 @@ class EngineArgs:
     policy: str = field(default="fcfs", metadata=_flag("scheduling policy (an entry point in cadence.policies)"))
     policy_options: dict[str, str] = field(default_factory=dict, metadata=_flag(
         "option for the policy; repeatable", flag="--policy-option", metavar="KEY=VALUE"))
+    trace_scheduling: str | None = field(default=None, metadata=_flag(
+        "write every scheduling decision about each request to this JSONL file (`cadence trace explain`; "
+        "an engine core of several writes FILE.dpRANK; docs/research.md)", metavar="FILE"))
     device: str = field(default="cpu", metadata=_flag("torch device to run on"))
     num_threads: int | None = field(default=None, metadata=_flag("torch threads (default: all cores)"))
     attention_backend: str | None = field(default=None, metadata=_flag(
@@ -135,6 +138,7 @@ class EngineArgs:
                                else self.target_itl_ms),
                 policy=self.policy,
                 policy_options=dict(self.policy_options),
+                trace_scheduling=self.trace_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     data_parallel_size=self.data_parallel_size,

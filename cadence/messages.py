@@ -30,6 +30,7 @@ class EngineCoreRequest(_Message):
     arrival_time: float
     priority: int = 0
     user: str | None = None
+    client_id: str | None = None  # the caller's request id (traces name the request by it)
 
 
 class AbortRequests(_Message):

@@ -84,6 +84,7 @@ class Request:
         max_model_len: int,
         priority: int = 0,
         user: str | None = None,
+        client_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -92,6 +93,7 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.user = user
+        self.client_id = client_id  # the caller's request id, for traces
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

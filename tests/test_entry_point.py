@@ -12,7 +12,7 @@ import pytest
 import cadence.__main__
 from cadence.cli import main
 
-VERBS = ["generate", "serve", "bench", "simulate"]
+VERBS = ["generate", "policies", "trace", "serve", "bench", "simulate"]
 
 
 def test_importing_the_module_runs_nothing() -> None:

@@ -13,7 +13,8 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from cadence.sampling_params import ExtraArg
-from cadence.sim.workload import LengthDist, load_trace
+from cadence.sim.trace_formats import TraceOptions, load_workload
+from cadence.sim.workload import LengthDist
 
 # SmolLM2 and most byte-level BPE vocabularies keep their special tokens among the first ids.
 _FIRST_ORDINARY_ID = 100
@@ -127,21 +128,15 @@ def _sharegpt_pair(item: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[str,
     return turns[0]["value"], max(reply_len, 1)
 
 
-def trace_requests(path: str | Path, vocab_size: int, seed: int, time_scale: float = 1.0,
+def trace_requests(path: str | Path, options: TraceOptions, vocab_size: int,
                    num: int | None = None) -> list[BenchRequest]:
-    """A JSONL trace (``cadence.sim.workload``'s format) as timed requests, in arrival order: the
-    first ``num`` (all by default), arrival times from the first one multiplied by ``time_scale``
-    (0.5 replays twice as fast). A prompt given as token ids is sent as them; one given as a count
-    gets random ids (seeded), distinct from every other prompt's."""
-    if not time_scale > 0:
-        raise ValueError(f"the trace's time scale must be > 0, got {time_scale}")
-    specs = load_trace(path)[:num]
-    if not specs:
-        raise ValueError(f"{path} holds no requests")
-    rng = random.Random(seed)
-    first = specs[0].arrival_time
+    """A trace (any format :mod:`cadence.sim.trace_formats` reads, read with ``options``) as timed
+    requests, in arrival order, the first ``num`` (all by default). A prompt given as token ids is
+    sent as them; one given as a count gets random ids (seeded), distinct from every other prompt's."""
+    specs = load_workload(path, options)[:num]
+    rng = random.Random(options.seed)
     return [BenchRequest(
         list(spec.prompt_token_ids) if spec.prompt_token_ids is not None
         else [rng.randrange(_FIRST_ORDINARY_ID, vocab_size) for _ in range(spec.prompt_tokens)],
-        spec.prompt_tokens, spec.output_tokens, arrival_time=(spec.arrival_time - first) * time_scale,
+        spec.prompt_tokens, spec.output_tokens, arrival_time=spec.arrival_time,
         priority=spec.priority, user=spec.user, extra_args=spec.extra_args) for spec in specs]

@@ -36,6 +36,7 @@ from cadence.bench.datasets import (
 )
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
 from cadence.bench.prefix_cache_probe import PrefixCacheProbe
+from cadence.sim.trace_formats import TraceOptions, add_trace_args
 
 DEFAULT_NUM_PROMPTS = 64
 _COMPLETIONS = "/v1/completions"
@@ -244,11 +245,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["random", "sharegpt-like", "prefix-repetition", "trace"],
                         help="random (--input-len, --output-len, --range-ratio), "
                              f"sharegpt-like ({SHAREGPT_LIKE.describe()}), prefix-repetition (prompts sharing "
-                             "prefixes: --prefix-repetition-*, --output-len), or trace: replay --dataset-path, a "
-                             "cadence simulate trace (arrival_time, prompt_tokens as a count or token ids, "
-                             "output_tokens, priority, user, extra_args per line), at its own times")
-    parser.add_argument("--trace-time-scale", type=float, default=1.0,
-                        help="trace: multiply its arrival times by this (0.5 replays twice as fast)")
+                             "prefixes: --prefix-repetition-*, --output-len), or trace: replay --dataset-path at "
+                             "its own times, a cadence simulate trace (arrival_time, prompt_tokens as a count or "
+                             "token ids, output_tokens, priority, user, extra_args per line) or Azure's, BurstGPT's "
+                             "or Mooncake's (docs/research.md)")
+    add_trace_args(parser.add_argument_group("trace (--dataset-name trace)"))
     parser.add_argument("--prefix-repetition-prefix-len", type=int, default=1024, help="tokens of each shared prefix")
     parser.add_argument("--prefix-repetition-suffix-len", type=int, default=64, help="distinct tokens after it")
     parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=1, help="prefixes the prompts share")
@@ -296,7 +297,7 @@ def _trace(ns: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
     if not math.isinf(ns.request_rate) or ns.burstiness != 1.0:
         raise ValueError("a trace's requests arrive at its own times: drop --request-rate and --burstiness "
                          "(--trace-time-scale speeds it up or slows it down)")
-    return trace_requests(ns.dataset_path, vocab_size, ns.seed, ns.trace_time_scale, ns.num_prompts)
+    return trace_requests(ns.dataset_path, TraceOptions.from_args(ns, vocab_size), vocab_size, ns.num_prompts)
 
 
 def measure(ns: argparse.Namespace, requests: Sequence[BenchRequest] | None = None,

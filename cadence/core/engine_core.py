@@ -18,6 +18,7 @@ from cadence.config import EngineConfig
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.scheduler_actor import SchedulerActor
+from cadence.core.scheduling_trace import SchedulingTrace
 from cadence.core.step_timing import StepTiming
 from cadence.core.structured_output import StructuredOutputManager
 from cadence.executor import Executor, create_executor
@@ -62,7 +63,8 @@ class EngineCore:
                                    windows=groups.windows)
         # Loads the tokenizer and xgrammar only when the first constrained request arrives.
         grammars = StructuredOutputManager(functools.partial(load_tokenizer, config.model.path), hf_config.vocab_size)
-        return cls(config, hf_config, executor, allocator, Scheduler(sched, allocator, policy, grammars))
+        return cls(config, hf_config, executor, allocator, Scheduler(sched, allocator, policy, grammars,
+                                                                     trace=scheduling_trace_of(config)))
 
     def actors(self, outputs_to: Mailbox[Any]) -> tuple[SchedulerActor, ExecutorActor]:
         """Fresh scheduler and executor actors over these components; the scheduler actor takes
@@ -91,3 +93,14 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the workers (their processes or actors, under the mp and ray executors)."""
         self.executor.shutdown()
+        if self.scheduler.trace is not None:
+            self.scheduler.trace.close()
+
+
+def scheduling_trace_of(config: EngineConfig) -> SchedulingTrace | None:
+    """``--trace-scheduling FILE``'s writer; each engine core of several writes ``FILE.dpRANK``."""
+    path = config.scheduler.trace_scheduling
+    if path is None:
+        return None
+    parallel = config.parallel
+    return SchedulingTrace(path if parallel.data_parallel_size == 1 else f"{path}.dp{parallel.data_parallel_rank}")

@@ -12,6 +12,7 @@ KV allocator and calls it synchronously (see docs/architecture.md, "Scheduling")
 Structured output: a constrained request is admitted once its grammar has compiled (others are
 admitted past it meanwhile); each step carries the token bitmask of the constrained requests that
 sample, and each accepted token advances the request's matcher (see ``structured_output.py``).
+With ``--trace-scheduling``, every decision about each request goes to a ``SchedulingTrace``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from cadence.config import SchedulerConfig
+from cadence.core import scheduling_trace as why
 from cadence.core.cost_model import CostModel, StepShape
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.step_budget import StepBudget
@@ -29,7 +31,6 @@ from cadence.core.structured_output import StructuredOutputManager
 from cadence.messages import (
     CachedRequestData,
     EngineCoreOutput,
-    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -42,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: KVCacheManager, policy: SchedulingPolicy,
-                 structured_output: StructuredOutputManager | None = None, cost_model: CostModel | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None, cost_model: CostModel | None = None,
+                 trace: why.SchedulingTrace | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.policy = policy
@@ -62,6 +64,8 @@ class Scheduler:
         self.step_budget = (StepBudget(config.target_itl_ms / 1000.0, cost_model)
                             if config.target_itl_ms and policy.chunked else None)
         self._last_shape: StepShape | None = None
+        # --trace-scheduling: every decision about each request, stamped with the policy's clock.
+        self.trace = trace
 
     # ---- queue management --------------------------------------------------------------------
 
@@ -84,6 +88,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.policy.on_arrival(request)
+        if self.trace is not None:
+            self.trace.arrival(request, self._step_id + 1, self.policy.now())
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish these requests as aborted; unknown or already finished ids are ignored."""
@@ -106,6 +112,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.allocator.free(request.request_id)
         del self.requests[request.request_id]
+        if self.trace is not None:
+            self.trace.finished(request.request_id, status.finish_reason, self.policy.now())
         if self.structured_output is not None:
             self.structured_output.remove(request.request_id)
         if request.request_id in self._on_worker:
@@ -151,40 +159,17 @@ class Scheduler:
     def _grammar_ready(self, request: Request) -> bool:
         return self.structured_output is None or self.structured_output.is_ready(request.request_id)
 
-    def _grammar_bitmask(self, scheduled: dict[str, int]) -> GrammarBitmask | None:
-        """The bitmask of the constrained requests that sample this step (their last token is in it)."""
-        grammars = self.structured_output
-        if grammars is None or not grammars.num_active:
-            return None
-        request_ids = [
-            request_id for request_id in scheduled
-            if grammars.is_constrained(request_id)
-            and self.requests[request_id].num_computed_tokens == self.requests[request_id].num_tokens
-        ]
-        return grammars.grammar_bitmask(request_ids) if request_ids else None
-
     def _active_grammars(self) -> StructuredOutputManager | None:
         """The manager while some request has a matcher: checked once per step, so that the
         unconstrained path pays nothing per token."""
         grammars = self.structured_output
         return grammars if grammars is not None and grammars.num_active else None
 
-    @staticmethod
-    def _advance_grammar(grammars: StructuredOutputManager, request: Request, token_id: int) -> RequestStatus | None:
-        """Feed an accepted token to the request's matcher: stopped once the grammar is complete,
-        an error (with ``request.error`` set) if the grammar refuses the token. It can: min_tokens
-        masks the stop token even when the complete grammar allows nothing else."""
-        if not grammars.is_constrained(request.request_id):
-            return None
-        if not grammars.accept_token(request.request_id, token_id):
-            request.error = (f"the grammar does not allow the sampled token {token_id}; min_tokens or "
-                             "logit_bias may have masked every token it allows")
-            return RequestStatus.FINISHED_ERROR
-        return RequestStatus.FINISHED_STOPPED if grammars.is_terminated(request.request_id) else None
-
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.trace is not None:
+            self.trace.begin_step(self._step_id + 1, self.policy.now())
         step = StepPlan(self.config.max_num_batched_tokens, self.step_budget, self.running)
         self._serve_running(step)
         self._admit_waiting(step)
@@ -200,6 +185,8 @@ class Scheduler:
             start = request.num_computed_tokens
             num = self.policy.num_tokens(request, step.token_budget(request, start))
             if num == 0:
+                if self.trace is not None:
+                    self.trace.event("skipped", request=request.request_id, reason=step.limit(request, start))
                 continue
             blocks = self._allocate_or_preempt(request, num, step)
             if blocks is not None:
@@ -212,7 +199,7 @@ class Scheduler:
             if blocks is not None:
                 return blocks
             victim = self._running_request(self.policy.pick_victim(self.running, request), "pick_victim")
-            self._preempt(victim, step)
+            self._preempt(victim, step, request, why.KV_BLOCKS)
             step.preempted_for_running = True
             if victim is request:
                 return None
@@ -237,13 +224,20 @@ class Scheduler:
             if request is None or request.status == RequestStatus.RUNNING:
                 continue  # not waiting: a policy's mistake, not a reason to stop
             if not self._grammar_ready(request):
+                if self.trace is not None:
+                    self.trace.event("grammar", request=request.request_id)
                 continue  # still compiling: those behind it go first
-            if step.budget == 0 or request.request_id in preempted_now:
-                break
-            if step.preempted_for_running and self.policy.preempt_for(request, self.running) is None:
-                break
+            blocker = (why.TOKEN_BUDGET if step.budget == 0
+                       else why.PREEMPTED_THIS_STEP if request.request_id in preempted_now
+                       else why.MEMORY if step.preempted_for_running
+                       and self.policy.preempt_for(request, self.running) is None else None)
             num_preempted = len(step.preempted)
-            if not self._admit(request, len(admitted), step):
+            if blocker is None:
+                blocker = self._admit(request, len(admitted), step)
+            if blocker is not None:
+                if self.trace is not None:
+                    self.trace.event("blocked", head=request.request_id, reason=blocker,
+                                     waiting=len(self.waiting))
                 break
             self.waiting.remove(request)
             admitted.append(request)
@@ -252,8 +246,9 @@ class Scheduler:
                 order = iter(self.policy.order_waiting(self.waiting))
         self.running.extend(admitted)
 
-    def _admit(self, request: Request, num_admitted: int, step: StepPlan) -> bool:
-        """Give a waiting request tokens, a seat and blocks, preempting where the policy says so.
+    def _admit(self, request: Request, num_admitted: int, step: StepPlan) -> str | None:
+        """Give a waiting request tokens, a seat and blocks, preempting where the policy says so;
+        None once admitted, else why not (a ``scheduling_trace`` reason).
 
         The budget is checked first: preemption makes room for seats and blocks, never for tokens.
         """
@@ -263,21 +258,21 @@ class Scheduler:
             hit_blocks, hit_tokens = self._prefix_hit(request)
             num = self.policy.num_tokens(request, step.token_budget(request, hit_tokens), hit_tokens)
             if num == 0:
-                return False
+                return step.limit(request, hit_tokens)
             if len(self.running) + num_admitted >= self.config.max_num_seqs:
-                if not self._preempt_for(request, step):
-                    return False
+                if not self._preempt_for(request, step, why.SEATS):
+                    return why.SEATS
                 continue
             blocks = self.allocator.allocate(request, num, hit_blocks, hit_tokens)
             if blocks is not None:
                 break
-            if not self._preempt_for(request, step):
-                return False
+            if not self._preempt_for(request, step, why.KV_BLOCKS):
+                return why.KV_BLOCKS
         request.num_computed_tokens = hit_tokens
         request.num_cached_tokens = hit_tokens
         request.status = RequestStatus.RUNNING
         step.take(request, num, blocks, hit_tokens)
-        return True
+        return None
 
     def observe_step_time(self, seconds: float) -> None:
         """How long the step :meth:`schedule` built last took (the engine's wall time, or the
@@ -292,11 +287,11 @@ class Scheduler:
             return [], 0  # allocate() takes no hit lists as no hits
         return self.allocator.get_computed_blocks(request)
 
-    def _preempt_for(self, request: Request, step: StepPlan) -> bool:
+    def _preempt_for(self, request: Request, step: StepPlan, reason: str) -> bool:
         view = self.policy.preempt_for(request, self.running)
         if view is None:
             return False
-        self._preempt(self._running_request(view, "preempt_for"), step)
+        self._preempt(self._running_request(view, "preempt_for"), step, request, reason)
         return True
 
     def _running_request(self, view: RequestView, hook: str) -> Request:
@@ -306,8 +301,10 @@ class Scheduler:
                                "which is not running")
         return request
 
-    def _preempt(self, request: Request, step: StepPlan) -> None:
-        """Preempt by recompute; what the request was given earlier in this step goes back."""
+    def _preempt(self, request: Request, step: StepPlan, needy: Request, reason: str) -> None:
+        """Preempt by recompute, for ``needy``; what the request was given earlier in this step goes back."""
+        if self.trace is not None:
+            self.trace.event("preempted", request=request.request_id, by=needy.request_id, reason=reason)
         step.drop(request)
         step.preempted.append(request)
         self.running.remove(request)
@@ -322,6 +319,7 @@ class Scheduler:
         self.policy.on_preempted(request)
 
     def _build_output(self, step: StepPlan) -> SchedulerOutput:
+        grammars = self._active_grammars()
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
         if self.step_budget is not None:
@@ -330,7 +328,8 @@ class Scheduler:
         self._on_worker.difference_update(preempted_ids)
         for request_id, num in step.scheduled.items():
             request = self.requests[request_id]
-            if request_id in self._on_worker:
+            admitted = request_id not in self._on_worker
+            if not admitted:
                 cached_requests.append(
                     CachedRequestData(request_id, step.new_blocks[request_id], request.num_computed_tokens))
             else:
@@ -344,6 +343,8 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                 ))
                 self._on_worker.add(request_id)
+            if self.trace is not None:
+                self.trace.scheduled(request, num, admitted)
             # Told once the step is final, so that nothing taken back by a preemption is counted.
             self.policy.on_scheduled(request, num)
             request.num_computed_tokens += num
@@ -355,7 +356,7 @@ class Scheduler:
             num_scheduled_tokens=dict(step.scheduled),
             finished_request_ids=self._finished_since_last_step,
             preempted_request_ids=preempted_ids,
-            grammar_bitmask=self._grammar_bitmask(step.scheduled),
+            grammar_bitmask=None if grammars is None else grammars.step_bitmask(step.scheduled, self.requests),
         )
         self._finished_since_last_step = []
         return output
@@ -365,6 +366,8 @@ class Scheduler:
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop checks, free what finished; returns the step's outputs."""
         outputs = []
+        if self.trace is not None:
+            self.trace.end_step(self._step_id, self.policy.now())
         logprobs = runner_output.logprobs
         for part in runner_output.prompt_logprobs or ():
             if part.request_id in self.requests:  # not aborted while its step ran
@@ -377,7 +380,7 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             request.append_output_token(token_id)
             # The grammar's verdict first: a complete constrained output is a stop, even at max_tokens.
-            stop = None if grammars is None else self._advance_grammar(grammars, request, token_id)
+            stop = None if grammars is None else grammars.verdict(request, token_id)
             if stop is None:
                 stop = request.check_stop()
             if stop is not None:

@@ -122,6 +122,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
                     max_model_len=self.max_model_len,
                     priority=message.priority,
                     user=message.user,
+                    client_id=message.client_id,
                 ))
                 return
             except ValueError as exc:  # a constrained request without a structured-output manager

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 
 from cadence.core.cost_model import StepShape, step_shape
+from cadence.core.scheduling_trace import LATENCY_TARGET, TOKEN_BUDGET
 from cadence.core.step_budget import StepBudget
 from cadence.request import Request
 
@@ -37,6 +38,11 @@ class StepPlan:
             return self.budget
         fits = self.step_budget.prefill_tokens(self.time_left, start)
         return min(self.budget, fits if fits or self.has_prefill else 1)
+
+    def limit(self, request: Request, start: int) -> str:
+        """What bounds ``request`` now, for the scheduling trace: the latency target when its time
+        leaves less than the tokens left, else the token budget."""
+        return LATENCY_TARGET if self.token_budget(request, start) < self.budget else TOKEN_BUDGET
 
     def take(self, request: Request, num: int, blocks: list[list[int]], start: int) -> None:
         self.scheduled[request.request_id] = num

@@ -20,13 +20,14 @@ import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from cadence.messages import GrammarBitmask
+from cadence.request import Request, RequestStatus
 from cadence.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -201,6 +202,13 @@ class StructuredOutputManager:
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._matchers
 
+    def step_bitmask(self, scheduled: Iterable[str], requests: Mapping[str, Request]) -> GrammarBitmask | None:
+        """The bitmask of a step's constrained requests that sample in it (their last token is in
+        it), in the step's order; None when there is none."""
+        request_ids = [request_id for request_id in scheduled if request_id in self._matchers
+                       and requests[request_id].num_computed_tokens == requests[request_id].num_tokens]
+        return self.grammar_bitmask(request_ids) if request_ids else None
+
     def grammar_bitmask(self, request_ids: list[str]) -> GrammarBitmask:
         """The next-token bitmask of these requests (all with a matcher), one row each, in order."""
         xgr = _xgrammar()
@@ -209,13 +217,18 @@ class StructuredOutputManager:
             self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
         return GrammarBitmask(request_ids=request_ids, bitmask=bitmask)
 
-    def accept_token(self, request_id: str, token_id: int) -> bool:
-        """Advance the request's matcher; False if the grammar does not allow the token."""
-        return bool(self._matchers[request_id].accept_token(token_id))
-
-    def is_terminated(self, request_id: str) -> bool:
-        """Whether the request's grammar is complete and its stop token accepted."""
-        return bool(self._matchers[request_id].is_terminated())
+    def verdict(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Feed an accepted token to the request's matcher, if it has one: stopped once the grammar
+        is complete, an error (with ``request.error`` set) if the grammar refuses the token. It can:
+        min_tokens masks the stop token even when the complete grammar allows nothing else."""
+        matcher = self._matchers.get(request.request_id)
+        if matcher is None:
+            return None
+        if not matcher.accept_token(token_id):
+            request.error = (f"the grammar does not allow the sampled token {token_id}; min_tokens or "
+                             "logit_bias may have masked every token it allows")
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
 
     def _compile(self, key: ConstraintKey) -> xgrammar.CompiledGrammar:
         if self._compiler is None:

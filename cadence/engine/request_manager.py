@@ -166,7 +166,8 @@ class RequestManager(Actor[DetokenizedOutputs]):
             self.detokenizer.send_nowait(TrackRequest(child_id, prepared.prompt_token_ids, child_params))
             self.engine_core.send_nowait(EngineCoreRequest(
                 request_id=child_id, prompt_token_ids=prepared.prompt_token_ids, sampling_params=child_params,
-                eos_token_id=self.limits.eos_token_id, arrival_time=arrival, priority=priority, user=user))
+                eos_token_id=self.limits.eos_token_id, arrival_time=arrival, priority=priority, user=user,
+                client_id=request_id))
         return RequestHandle(request_id, prepared, outputs)
 
     async def abort(self, request_id: str) -> None:

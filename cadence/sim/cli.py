@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from cadence.core.cost_model import CostModel
 from cadence.engine_args import EngineArgs, add_engine_args, engine_args_from
 from cadence.sim.cost_store import BUILTIN, FitKey, store_fit, stored_fit
+from cadence.sim.trace_formats import TraceOptions, add_trace_args, load_workload
 
 if TYPE_CHECKING:
     from cadence.config import EngineConfig
@@ -52,8 +54,10 @@ def register(verbs: argparse._SubParsersAction[Any]) -> None:
 
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload (a trace, or synthetic arrivals; --seed seeds it)")
-    g.add_argument("--trace", default=None, help="JSONL trace: arrival_time, prompt_tokens, output_tokens, "
-                                                  "priority, user per line")
+    g.add_argument("--trace", default=None,
+                   help="a trace: cadence's JSONL (arrival_time, prompt_tokens, output_tokens, priority, user, "
+                        "extra_args per line), or Azure's or BurstGPT's CSV, or Mooncake's JSONL (docs/research.md)")
+    add_trace_args(g)
     g.add_argument("--num-requests", type=int, default=1000, help="synthetic: how many requests")
     g.add_argument("--request-rate", type=float, default=math.inf, help="synthetic: requests/s (inf: all at 0)")
     g.add_argument("--burstiness", type=float, default=1.0,
@@ -71,7 +75,7 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                    help="also run this policy (with these options); repeatable")
     g.add_argument("--cost-model", default=None, metavar="FILE|builtin",
-                   help="a cost model file, or builtin (SmolLM2-135M bf16 on a 2-core machine: a fallback); "
+                   help="a cost model file, or builtin (SmolLM2-135M Q4_1 on a 2-core machine: a fallback); "
                         "default: this machine's stored fit for the engine options, calibrated first if none is")
     g.add_argument("--quick-calibration", action="store_true",
                    help="when a fit must be calibrated first, time a plan of a few seconds (small models)")
@@ -101,7 +105,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
     from cadence.bench.metrics import parse_goodput
     from cadence.sim import report
     from cadence.sim.simulator import EngineLimits, simulate
-    from cadence.sim.workload import describe, load_trace, save_trace, synthetic_workload
+    from cadence.sim.workload import describe, save_trace, synthetic_workload
 
     slos = parse_goodput(ns.goodput)
     percentiles = _percentiles(ns.metric_percentiles)
@@ -113,7 +117,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
     limits = EngineLimits.from_engine_config(config)
     cost_model = _cost_model(ns, args, config)
     if ns.trace:
-        workload = load_trace(ns.trace)
+        workload = load_workload(ns.trace, TraceOptions.from_args(ns))
     else:
         workload = synthetic_workload(ns.num_requests, request_rate=ns.request_rate, burstiness=ns.burstiness,
                                       input_len=ns.input_len, output_len=ns.output_len, tenants=ns.tenants,
@@ -122,8 +126,10 @@ def run_simulate(ns: argparse.Namespace) -> int:
         save_trace(workload, ns.save_trace)
     print(f"workload: {describe(workload)}", file=sys.stderr)
     results = []
-    for label, name, options in _policy_specs(ns):
-        result = simulate(workload, limits, name, cost_model, ns.seed, policy_options=options, label=label)
+    specs = _policy_specs(ns)
+    for label, name, options in specs:
+        result = simulate(workload, limits, name, cost_model, ns.seed, policy_options=options, label=label,
+                          trace_scheduling=_trace_path(config.scheduler.trace_scheduling, label, len(specs)))
         print(f"{label}: {result.num_steps} steps, {result.end_time:.1f} s simulated in "
               f"{result.wall_time_s:.2f} s", file=sys.stderr)
         results.append(result)
@@ -174,8 +180,8 @@ def _cost_model(ns: argparse.Namespace, args: EngineArgs, config: EngineConfig) 
     """``--cost-model``'s file or the built-in fallback; else the stored fit, calibrated first if none is."""
     key = FitKey.of(config)
     if ns.cost_model == BUILTIN:
-        print("using the built-in cost model, a fallback (SmolLM2-135M bf16 on a 2-core machine): its step times "
-              "are not this machine's nor this model's", file=sys.stderr)
+        print("using the built-in cost model, a fallback (the default model, SmolLM2-135M Q4_1, on a 2-core "
+              "machine): its step times are not this machine's nor this model's", file=sys.stderr)
         return CostModel.default()
     if ns.cost_model:
         model = CostModel.load(ns.cost_model)
@@ -187,6 +193,15 @@ def _cost_model(ns: argparse.Namespace, args: EngineArgs, config: EngineConfig) 
         return stored
     print(f"no cost model is stored for {key.describe()} on this machine: calibrating first", file=sys.stderr)
     return _calibrate(args, ns.seed, ns.quick_calibration)
+
+
+def _trace_path(path: str | None, label: str, num_policies: int) -> str | None:
+    """``--trace-scheduling FILE`` for one policy's run: FILE itself, or with several policies
+    ``FILE`` with the policy's label before its suffix (``trace.sjf_aging=2.jsonl``)."""
+    if path is None or num_policies == 1:
+        return path
+    file = Path(path)
+    return str(file.with_name(f"{file.stem}.{re.sub(r'[^A-Za-z0-9._=-]+', '_', label)}{file.suffix}"))
 
 
 def _percentiles(text: str) -> tuple[float, ...]:

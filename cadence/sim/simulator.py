@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from cadence.config import SchedulerConfig
 from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
+from cadence.core.scheduling_trace import SchedulingTrace
 from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
 from cadence.messages import SchedulerOutput
 from cadence.policies.base import PolicyContext, SchedulingPolicy
@@ -191,6 +193,7 @@ def simulate(
     label: str | None = None,
     on_step: StepHook | None = None,
     max_steps: int | None = None,
+    trace_scheduling: str | Path | None = None,
 ) -> SimResult:
     """Run ``workload`` through the real scheduler under ``policy`` on a virtual clock.
 
@@ -201,6 +204,8 @@ def simulate(
     request gets distinct ids, so nothing hits the prefix cache by chance). ``on_step`` is called
     after each ``schedule()`` with the scheduler and its output, before the step runs: property
     tests check invariants there. ``max_steps`` stops a run that makes no progress.
+    ``trace_scheduling`` writes the engine's scheduling trace (``core/scheduling_trace.py``) of the
+    run to that file, stamped with the virtual clock.
 
     :raises ValueError: for a request the engine would reject, or an unknown policy.
     :raises RuntimeError: if the scheduler stalls (nothing scheduled on an idle engine) or
@@ -218,10 +223,16 @@ def simulate(
         name = policy.name
         policy.context = replace(policy.context, clock=clock)  # the run's time, whatever it was built with
     allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching)
-    scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, policy, cost_model=cost_model)
+    trace = None if trace_scheduling is None else SchedulingTrace(trace_scheduling)
+    scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, policy, cost_model=cost_model,
+                          trace=trace)
     run = _Run(workload, limits, scheduler, SimulatedRunner(cost_model), clock, seed, on_step, max_steps)
     started = time.perf_counter()
-    run.run()
+    try:
+        run.run()
+    finally:
+        if trace is not None:
+            trace.close()
     return SimResult(
         policy=label or name,
         records=run.records(),

@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None, "max_tokens": 16, "min_tokens": 0,
     "stop": [], "stop_token_ids": [], "ignore_eos": False, "include_stop_str_in_output": False,
     "skip_special_tokens": True, "logprobs": None, "prompt_logprobs": None, "structured_outputs": None,
+    "extra_args": None,
 }
 
 
@@ -228,6 +229,8 @@ FIELDS: list[tuple[dict[str, Any], dict[str, Any]]] = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}},
      {"structured_outputs": StructuredOutputsParams(json=compact(PERSON))}),
     ({"structured_outputs": {"regex": "[a-z]+"}}, {"structured_outputs": StructuredOutputsParams(regex="[a-z]+")}),
+    ({"vllm_xargs": {"deadline_s": 2.5, "tier": "gold"}}, {"extra_args": {"deadline_s": 2.5, "tier": "gold"}}),
+    ({"vllm_xargs": {}}, {"extra_args": None}),
     # fields the engine does not take: accepted, and nothing changes
     ({"user": "u", "priority": 3, "stream": False, "model": "m"}, {}),
 ]
@@ -259,7 +262,7 @@ def test_every_field_at_once() -> None:
                 "max_tokens": 20, "min_tokens": 1, "stop": ["\n\n", "END"], "stop_token_ids": [0, 2],
                 "ignore_eos": True, "include_stop_str_in_output": True, "skip_special_tokens": False, "logprobs": 3,
                 "prompt_logprobs": None,
-                "structured_outputs": StructuredOutputsParams(choice=["yes", "no"])}
+                "structured_outputs": StructuredOutputsParams(choice=["yes", "no"]), "extra_args": None}
     for req in (completion(**body), chat(**body)):
         constraint = structured_outputs(req)
         assert constraint is not None

@@ -30,6 +30,7 @@ from cadence.bench.serve import (
     request_body,
     run_load,
 )
+from cadence.sim.trace_formats import TraceOptions
 
 
 def _serve_args(*args: str) -> argparse.Namespace:
@@ -126,14 +127,15 @@ def test_a_trace_replays_at_its_own_times_with_its_token_ids_and_fields(tmp_path
              "extra_args": {"deadline_s": 1.5}},
             {"arrival_time": 13.0, "prompt_tokens": 1, "output_tokens": 1}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    requests = trace_requests(path, vocab_size=500, seed=1, time_scale=0.5)
+    requests = trace_requests(path, TraceOptions(time_scale=0.5, seed=1), vocab_size=500)
     assert [r.arrival_time for r in requests] == [0.0, 1.0, 1.5]  # from the first, scaled
     assert arrival_offsets(requests, math.inf, 1.0, 0) == [0.0, 1.0, 1.5]
     first, second, _ = requests
     assert (first.prompt, first.output_len, first.user, first.extra_args) == ([7, 8, 9, 10], 5, "ann",
                                                                                {"deadline_s": 1.5})
     assert len(second.prompt) == 3 and all(100 <= t < 500 for t in second.prompt) and second.priority == 2
-    assert [r.prompt for r in trace_requests(path, 500, seed=1, num=2)] == [r.prompt for r in requests[:2]]
+    assert [r.prompt for r in trace_requests(path, TraceOptions(seed=1), 500, num=2)] == [
+        r.prompt for r in requests[:2]]
     target = ServeTarget("http://h", "/v1/completions", "m", None, ignore_eos=False)
     assert request_body(target, first, first.prompt) == {
         "model": "m", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True},

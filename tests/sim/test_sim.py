@@ -27,6 +27,7 @@ from cadence.sim import (
     synthetic_workload,
 )
 from cadence.sim.cli import register
+from cadence.sim.cost_store import FitKey
 from cadence.sim.report import plot
 
 SMALL = EngineLimits(num_kv_blocks=64, block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
@@ -191,9 +192,12 @@ def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(
         make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     folder = str(make_tiny_model("llama"))
     ns = _cli().parse_args(["simulate", "--model", folder, "--cost-model", "builtin", "--num-kv-blocks", "64",
+                            "--trace-scheduling", str(tmp_path / "why.jsonl"), "--compare", "sjf:aging=2",
                             "--num-requests", "4",
                             "--input-len", "8", "--output-len", "4", "--output-dir", str(tmp_path), "--no-plots"])
     assert ns.run(ns) == 0
+    # One scheduling trace per policy, named by its label.
+    assert sorted(p.name for p in tmp_path.glob("why.*.jsonl")) == ["why.fcfs.jsonl", "why.sjf_aging=2.jsonl"]
     limits = json.loads((tmp_path / "results.json").read_text())["limits"]
     assert (limits["max_num_batched_tokens"], limits["target_itl_ms"]) == (
         DEFAULT_TOKEN_BUDGET["serving"], DEFAULT_TARGET_ITL_MS["serving"])
@@ -221,6 +225,7 @@ def test_calibrate_verb_writes_a_cost_model_the_simulator_loads(
     # Also stored as this machine's fit for the model, dtype, quantization and threads.
     (stored,) = (tmp_path / "fits").iterdir()
     assert stored.name == f"{Path(folder).name}-float32-none-{os.cpu_count()}t.json"
+    assert stored == FitKey(Path(folder).name, "float32", "none", os.cpu_count() or 1).path
     assert CostModel.load(stored) == model
 
 
