@@ -10,7 +10,10 @@ At the end every request has finished exactly once and every block is free again
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from hypothesis import strategies as st
 
 from cadence.config import SchedulerConfig
 from cadence.core.kv_cache_manager import KVCacheManager
@@ -35,6 +38,19 @@ class Arrival:
     priority: int = 0
     user: str | None = None
     abort_at: int | None = None
+
+
+def arrivals(users: Sequence[str | None] = (None,)) -> st.SearchStrategy[Arrival]:
+    """Random arrivals in the first steps, some aborted later, as every policy test draws them."""
+    return st.builds(
+        Arrival,
+        step=st.integers(0, 6),
+        prompt=st.lists(st.integers(1, 3), min_size=1, max_size=40),
+        max_tokens=st.integers(1, 24),
+        priority=st.integers(0, 3),
+        user=st.sampled_from(list(users)),
+        abort_at=st.none() | st.none() | st.integers(0, 30),
+    )
 
 
 @dataclass

@@ -9,20 +9,10 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from policy_harness import Arrival, build_scheduler, pool_for, run
+from policy_harness import Arrival, arrivals, build_scheduler, pool_for, run
 
 from cadence.policies.sjf import ShortestJobFirstPolicy
 from cadence.request import RequestStatus, RequestView
-
-arrivals = st.builds(
-    Arrival,
-    step=st.integers(0, 6),
-    prompt=st.lists(st.integers(1, 3), min_size=1, max_size=40),
-    max_tokens=st.integers(1, 24),
-    priority=st.integers(0, 3),
-    user=st.none(),
-    abort_at=st.none() | st.integers(0, 30),
-)
 
 
 def _ranking(policy: Any) -> Callable[[RequestView], tuple[float, float]]:
@@ -32,7 +22,7 @@ def _ranking(policy: Any) -> Callable[[RequestView], tuple[float, float]]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(policy=st.sampled_from(["sjf", "priority"]), workload=st.lists(arrivals, min_size=1, max_size=24),
+@given(policy=st.sampled_from(["sjf", "priority"]), workload=st.lists(arrivals(), min_size=1, max_size=24),
        spare_blocks=st.integers(0, 6), max_num_seqs=st.integers(1, 6), budget=st.integers(4, 64),
        aging=st.sampled_from(["0", "0.5", "3"]), seed=st.integers(0, 2**16))
 def test_the_kept_order_is_the_sorted_waiting_queue(policy: str, workload: list[Arrival], spare_blocks: int,

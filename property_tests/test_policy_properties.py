@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from policy_harness import Arrival, Trace, build_scheduler, pool_for, run
+from policy_harness import Arrival, Trace, arrivals, build_scheduler, pool_for, run
 
 from cadence.policies.loader import installed_policies
 from cadence.request import Request
@@ -26,22 +26,13 @@ from cadence.request import Request
 POLICIES = installed_policies()
 USERS = ["ann", "bob", "cy", None]
 
-arrivals = st.builds(
-    Arrival,
-    step=st.integers(0, 6),
-    prompt=st.lists(st.integers(1, 3), min_size=1, max_size=40),
-    max_tokens=st.integers(1, 24),
-    priority=st.integers(0, 3),
-    user=st.sampled_from(USERS),
-    abort_at=st.none() | st.none() | st.integers(0, 30),
-)
 
 
 @settings(max_examples=600, deadline=None)
 @given(
     policy=st.sampled_from(POLICIES),
     chunked=st.sampled_from([None, "true", "false"]),
-    workload=st.lists(arrivals, min_size=1, max_size=24),
+    workload=st.lists(arrivals(USERS), min_size=1, max_size=24),
     block_size=st.sampled_from([1, 2, 4]),
     spare_blocks=st.integers(0, 8),
     max_num_seqs=st.integers(1, 8),
