@@ -9,7 +9,10 @@ At the end every request has finished exactly once and every block is free again
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +21,7 @@ from hypothesis import strategies as st
 from cadence.config import SchedulerConfig
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
+from cadence.core.scheduling_trace import SchedulingTrace
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.clock import VirtualClock
@@ -61,6 +65,7 @@ class StepRecord:
     running_after: list[str]
     budget_left: int
     sampled: list[str]  # requests that got a new token from this step
+    blocked: str | None = None  # why admission stopped (the scheduling trace's reason), if it did
 
 
 @dataclass
@@ -91,8 +96,12 @@ def build_scheduler(policy: str, options: dict[str, str] | None = None, *, budge
                              enable_chunked_prefill=engine_chunked,
                              long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
                              policy_options=options or {}, target_itl_ms=target_itl_ms)
-    # Arrivals are stamped with their step number, and the clock reads it too.
-    return Scheduler(config, allocator, load_policy(policy, PolicyContext.of(config, VirtualClock()), options))
+    # Arrivals are stamped with their step number, and the clock reads it too. Every run writes its
+    # scheduling trace, which :func:`run` checks against the steps and reads the reasons from.
+    fd, path = tempfile.mkstemp(suffix=".jsonl")
+    os.close(fd)
+    return Scheduler(config, allocator, load_policy(policy, PolicyContext.of(config, VirtualClock()), options),
+                     trace=SchedulingTrace(path))
 
 
 def run(scheduler: Scheduler, workload: list[Arrival], seed: int = 0, eos_rate: float = 0.05) -> Trace:
@@ -141,7 +150,31 @@ def run(scheduler: Scheduler, workload: list[Arrival], seed: int = 0, eos_rate: 
     assert sorted(trace.finished, key=int) == [str(i) for i in range(len(workload))], "a request was lost"
     assert allocator.num_free_blocks == allocator.num_blocks - 1
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
+    _read_scheduling_trace(scheduler, trace)
     return trace
+
+
+def _read_scheduling_trace(scheduler: Scheduler, trace: Trace) -> None:
+    """The trace holds every step's scheduled tokens exactly and every request's finish once; each
+    step learns why its admission stopped."""
+    assert scheduler.trace is not None
+    scheduler.trace.close()
+    path = scheduler.trace.path
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    path.unlink()
+    scheduled: dict[int, dict[str, int]] = {}
+    blocked: dict[int, str] = {}
+    for e in events:
+        if e["event"] == "scheduled":
+            scheduled.setdefault(e["step"], {})[e["request"]] = e["tokens"]
+        elif e["event"] == "blocked":
+            blocked[e["step"]] = e["reason"]
+    for record in trace.steps:
+        step = record.output.step_id
+        assert scheduled.get(step, {}) == record.output.num_scheduled_tokens, f"step {step}: the trace disagrees"
+        record.blocked = blocked.get(step)
+    finished = [e["request"] for e in events if e["event"] == "finished"]
+    assert sorted(finished) == sorted(trace.finished), "the trace has not every finish exactly once"
 
 
 def pool_for(workload: list[Arrival], block_size: int, spare_blocks: int) -> int:

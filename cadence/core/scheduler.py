@@ -214,7 +214,6 @@ class Scheduler:
         re-orders the queue after each preemption made for a waiting request, so its victims take
         their place in that order.
         """
-        preempted_now = {r.request_id for r in step.preempted}
         admitted: list[Request] = []
         # Read lazily, and afresh after a preemption (which changes the queue): a policy may hand
         # out an iterator over an order it keeps up to date (policies/waiting_queue.py).
@@ -227,10 +226,10 @@ class Scheduler:
                 if self.trace is not None:
                     self.trace.event("grammar", request=request.request_id)
                 continue  # still compiling: those behind it go first
-            blocker = (why.TOKEN_BUDGET if step.budget == 0
-                       else why.PREEMPTED_THIS_STEP if request.request_id in preempted_now
-                       else why.MEMORY if step.preempted_for_running
-                       and self.policy.preempt_for(request, self.running) is None else None)
+            blocker = step.stop_reason(request)
+            if (blocker is None and step.preempted_for_running
+                    and self.policy.preempt_for(request, self.running) is None):
+                blocker = why.MEMORY
             num_preempted = len(step.preempted)
             if blocker is None:
                 blocker = self._admit(request, len(admitted), step)
@@ -242,7 +241,6 @@ class Scheduler:
             self.waiting.remove(request)
             admitted.append(request)
             if len(step.preempted) > num_preempted:
-                preempted_now.update(r.request_id for r in step.preempted[num_preempted:])
                 order = iter(self.policy.order_waiting(self.waiting))
         self.running.extend(admitted)
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 
 from cadence.core.cost_model import StepShape, step_shape
-from cadence.core.scheduling_trace import LATENCY_TARGET, TOKEN_BUDGET
+from cadence.core.scheduling_trace import LATENCY_TARGET, PREEMPTED_THIS_STEP, TOKEN_BUDGET
 from cadence.core.step_budget import StepBudget
 from cadence.request import Request
 
@@ -38,6 +38,13 @@ class StepPlan:
             return self.budget
         fits = self.step_budget.prefill_tokens(self.time_left, start)
         return min(self.budget, fits if fits or self.has_prefill else 1)
+
+    def stop_reason(self, request: Request) -> str | None:
+        """Why admission stops at waiting ``request`` before trying it: no tokens left, or it was
+        preempted in this step (it is not readmitted in the step that took its blocks)."""
+        if self.budget == 0:
+            return TOKEN_BUDGET
+        return PREEMPTED_THIS_STEP if any(r is request for r in self.preempted) else None
 
     def limit(self, request: Request, start: int) -> str:
         """What bounds ``request`` now, for the scheduling trace: the latency target when its time
