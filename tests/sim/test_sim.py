@@ -229,6 +229,24 @@ def test_calibrate_verb_writes_a_cost_model_the_simulator_loads(
     assert CostModel.load(stored) == model
 
 
+@pytest.mark.parametrize(("arch", "flags", "key"), [
+    ("qwen3_moe", ["--dtype", "float32"], "float32-none-1t"),  # a family that keeps the Python layer loop
+    ("llama", ["--dtype", "bfloat16", "--quantization", "int8"], "bfloat16-int8-1t"),  # quantized weights
+])
+def test_any_family_and_quantization_calibrates_into_its_own_fit(
+        arch: str, flags: list[str], key: str, make_tiny_model: Callable[..., Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENCE_COST_MODELS_DIR", str(tmp_path))
+    folder = make_tiny_model(arch)
+    ns = _cli().parse_args(["simulate", "calibrate", "--model", str(folder), *flags, "--num-threads", "1",
+                            "--num-kv-blocks", "512", "--quick"])
+    assert ns.run(ns) == 0
+    (stored,) = tmp_path.iterdir()
+    assert stored.name == f"{folder.name}-{key}.json"
+    model = CostModel.load(stored)
+    assert model.metadata["quantization"] == key.split("-")[1] and model.metadata["fit"]["num_samples"] > 20
+
+
 def test_simulate_uses_the_stored_fit_calibrates_first_without_one_and_names_the_fallback(
         make_tiny_model: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
