@@ -116,6 +116,7 @@ class ParallelConfig:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     data_parallel_rank: int = 0  # which engine core this is; set per engine core by its launcher
+    router: str = "prefix-aware"  # which engine core serves a request (entry point in cadence.routers)
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1,

@@ -96,6 +96,9 @@ class EngineArgs:
         "sdpa, triton, flash_attn (default: by device)"))
     tensor_parallel_size: int = field(default=1, metadata=_flag("ranks the model is sharded over", aliases=["-tp"]))
     data_parallel_size: int = field(default=1, metadata=_flag("engine cores behind one server", aliases=["-dp"]))
+    router: str = field(default="prefix-aware", metadata=_flag(
+        "with several engine cores, which one serves a request: an entry point in cadence.routers (prefix-aware, "
+        "least-loaded, round-robin, power-of-two; docs/distributed.md)"))
     distributed_executor_backend: str | None = field(default=None, metadata=_flag(
         "how tensor-parallel workers run (default: uni for 1 rank, mp for more)", choices=["uni", "mp", "ray"]))
     # Picks defaults, like DEFAULT_TOKEN_BUDGET; set by the verb (serve), not a flag of its own.
@@ -141,7 +144,7 @@ class EngineArgs:
                 trace_scheduling=self.trace_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                    data_parallel_size=self.data_parallel_size,
+                                    data_parallel_size=self.data_parallel_size, router=self.router,
                                     distributed_executor_backend=self.distributed_executor_backend),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
                                 attention_backend=self.attention_backend),

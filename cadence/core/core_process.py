@@ -7,7 +7,7 @@ Requests and aborts come in on one socket, outputs (and, once, ``EngineDead``) g
 
 With data parallelism there is one such process per rank, each with its own sockets and KV cache
 and an equal share of the cores; each then also reports its prefix cache's changes with its
-outputs, for the router (see :mod:`cadence.engine.dp_router`).
+outputs, for the router (see :mod:`cadence.engine.routers.prefix_aware`).
 
 SIGTERM ends the loop: the engine core stops its executor (the tensor-parallel workers, their
 sockets and rendezvous file, or the Ray actors and placement group) before it exits.

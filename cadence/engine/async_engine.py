@@ -7,7 +7,7 @@ servers) or in this one (``in_process=True``, and the offline ``LLM``, which run
 aborts its request in the engine, which frees its KV blocks within one step.
 
 With ``data_parallel_size`` N > 1 there are N engine-core processes, each behind its own request
-manager and detokenizer here, and a :class:`~cadence.engine.dp_router.DataParallelRouter` picks the
+manager and detokenizer here, and a router (``cadence/engine/routers/``, ``--router``) picks the
 engine core for each request (aborts go to the one that holds the request). If any engine core
 dies, the engine as a whole is dead, as in vLLM: that core's requests fail at once, new requests
 are refused, and the other cores finish what they hold.
@@ -28,9 +28,9 @@ from transformers import PreTrainedTokenizerBase
 from cadence.config import EngineConfig
 from cadence.engine.admission import ModelLimits, PreparedRequest, Prompt, prepare_request
 from cadence.engine.core_client import EngineCoreClient
-from cadence.engine.dp_router import DataParallelRouter
 from cadence.engine.front_end import CoreFrontEnd, build_front_end
 from cadence.engine.request_manager import RequestHandle
+from cadence.engine.routers.base import RouterContext, load_router, router_class
 from cadence.engine.zmq_client import ZmqCoreClient
 from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from cadence.messages import RequestOutput, SchedulerStats
@@ -54,8 +54,8 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.limits = limits
         # One engine core: no router, nothing added to the request path.
-        self._router = None if len(clients) == 1 else DataParallelRouter(
-            len(clients), config.cache.block_size, prefix_caching=config.cache.enable_prefix_caching)
+        self._router = None if len(clients) == 1 else load_router(config.parallel.router, RouterContext(
+            len(clients), config.cache.block_size, config.cache.enable_prefix_caching, config.model.seed))
         self.cores = tuple(build_front_end(client, tokenizer, limits, functools.partial(self._die, rank), self._router)
                            for rank, client in enumerate(clients))
         self._max_waiting = max_waiting_requests
@@ -74,8 +74,11 @@ class AsyncEngine:
 
         ``on_dead`` is called once if an engine core dies while running (or stalls: see :meth:`running`).
         :raises RuntimeError: if an engine core fails to start.
-        :raises ValueError: for ``in_process`` with more than one data-parallel engine core.
+        :raises ValueError: for ``in_process`` with more than one data-parallel engine core, or a
+            router that is not installed.
         """
+        if config.parallel.data_parallel_size > 1:
+            router_class(config.parallel.router)  # an unknown name fails before any engine core starts
         tokenizer = load_tokenizer(config.model.path)
         clients: list[EngineCoreClient] = []
         try:

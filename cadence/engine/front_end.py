@@ -19,8 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from cadence.engine.admission import ModelLimits
 from cadence.engine.core_client import EngineCoreClient
 from cadence.engine.detokenizer_actor import DetokenizerActor
-from cadence.engine.dp_router import DataParallelRouter
 from cadence.engine.request_manager import RequestManager
+from cadence.engine.routers.base import Router
 from cadence.messages import EngineCoreOutputs, SchedulerStats
 from cadence.runtime.actor import Actor, Mailbox
 
@@ -64,7 +64,7 @@ class CoreFrontEnd:
 
 
 def build_front_end(client: EngineCoreClient, tokenizer: PreTrainedTokenizerBase, limits: ModelLimits,
-                    on_dead: Callable[[str], None], router: DataParallelRouter | None = None) -> CoreFrontEnd:
+                    on_dead: Callable[[str], None], router: Router | None = None) -> CoreFrontEnd:
     """Connect a fresh detokenizer and request manager to ``client``'s engine core.
 
     ``on_dead`` is told if the engine core reports its death; a router with prefix caching on sees
@@ -75,7 +75,7 @@ def build_front_end(client: EngineCoreClient, tokenizer: PreTrainedTokenizerBase
     detokenizer = DetokenizerActor(tokenizer)
     manager = RequestManager(limits)
     outputs_to: Mailbox[EngineCoreOutputs] = detokenizer
-    if router is not None and router.prefix_caching:
+    if router is not None and router.observes_prefix_caches:
         outputs_to = _PrefixCacheTap(router, client.rank, detokenizer)
     engine_core, core_actors = client.connect(outputs_to, on_dead)
     manager.connect(engine_core, detokenizer)
@@ -88,7 +88,7 @@ class _PrefixCacheTap:
     cache's changes first, so it knows a request's blocks by the time the request's caller sees
     the output of the step that cached them."""
 
-    def __init__(self, router: DataParallelRouter, rank: int, detokenizer: DetokenizerActor) -> None:
+    def __init__(self, router: Router, rank: int, detokenizer: DetokenizerActor) -> None:
         self.router = router
         self.rank = rank
         self.detokenizer = detokenizer

@@ -24,8 +24,9 @@ from cadence.core.kv_allocator import KVAllocator
 from cadence.core.kv_events import fold_kv_events
 from cadence.core.testing import FakeRequest
 from cadence.engine.async_engine import AsyncEngine
-from cadence.engine.dp_router import DataParallelRouter
 from cadence.engine.llm import LLM
+from cadence.engine.routers.base import RouterContext
+from cadence.engine.routers.prefix_aware import PrefixAwareRouter
 from cadence.engine_args import EngineArgs
 from cadence.messages import KVCacheDelta
 
@@ -39,8 +40,8 @@ def block_hashes(token_ids: list[int], num_blocks: int) -> list[int]:
     return hashes
 
 
-def router(num_engines: int = 2, **options: Any) -> DataParallelRouter:
-    return DataParallelRouter(num_engines, BS, prefix_caching=True, **options)
+def router(num_engines: int = 2, **options: Any) -> PrefixAwareRouter:
+    return PrefixAwareRouter(RouterContext(num_engines, BS, prefix_caching=True), **options)
 
 
 PROMPT = list(range(10, 30))  # 5 full blocks
@@ -50,7 +51,7 @@ PROMPT = list(range(10, 30))  # 5 full blocks
 
 
 def test_least_loaded_wins_and_ties_go_to_the_lowest_rank() -> None:
-    r = DataParallelRouter(3, BS, prefix_caching=False)
+    r = PrefixAwareRouter(RouterContext(3, BS, prefix_caching=False))
     assert r.choose([3, 1, 2], PROMPT) == 1
     assert r.choose([2, 1, 1], PROMPT) == 1
     assert r.choose([0, 0, 0], PROMPT) == 0
@@ -213,6 +214,24 @@ def test_a_shared_prefix_follows_its_engine_and_new_prompts_the_least_loaded(tin
             total = engine.stats
             assert total.num_free_blocks == zero.num_free_blocks + one.num_free_blocks
             assert total.num_blocks == zero.num_blocks + one.num_blocks and total.kv_cache_usage == 0
+
+    anyio.run(run)
+
+
+def test_the_router_is_a_plugin_chosen_by_name(tiny_model: Path) -> None:
+    """Round robin alternates between the engine cores even when both are idle (least-loaded and
+    prefix-aware send every request of a sequential run to engine 0)."""
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def run() -> None:
+        async with AsyncEngine.launch(dp_args(tiny_model, router="round-robin").create_config()) as engine:
+            for first in range(4):
+                async for _ in engine.generate(list(range(100 + 10 * first, 108 + 10 * first)), greedy):
+                    pass
+            with anyio.fail_after(60):  # a hang guard only
+                while engine.num_pending_requests or any(c.stats is None for c in engine.cores):
+                    await anyio.sleep(0.02)
+            assert [c.stats.prefix_cache_queries for c in engine.cores if c.stats] == [16, 16]
 
     anyio.run(run)
 

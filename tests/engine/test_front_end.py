@@ -15,9 +15,10 @@ from cadence.core.block_pool import hash_block
 from cadence.engine.admission import ModelLimits, PreparedRequest
 from cadence.engine.core_client import EngineCoreClient
 from cadence.engine.detokenizer_actor import DetokenizerActor
-from cadence.engine.dp_router import DataParallelRouter
 from cadence.engine.front_end import CoreFrontEnd, build_front_end
 from cadence.engine.request_manager import RequestManager
+from cadence.engine.routers.base import RouterContext
+from cadence.engine.routers.prefix_aware import PrefixAwareRouter
 from cadence.errors import EngineDeadError
 from cadence.messages import (
     AbortRequests,
@@ -193,7 +194,7 @@ async def test_load_counts_pending_and_queued_requests(tokenizer: Any) -> None:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 async def test_the_router_sees_the_prefix_cache_before_the_caller_sees_the_output(
         tokenizer: Any, prefix_caching: bool) -> None:
-    router = DataParallelRouter(2, BLOCK, prefix_caching=prefix_caching)
+    router = PrefixAwareRouter(RouterContext(2, BLOCK, prefix_caching=prefix_caching))
     prompt = [5, 6, 7, 8, 9, 10]
     front = build_front_end(FakeClient(rank=1, kv_deltas=True), tokenizer, LIMITS, lambda error: None, router)
 

@@ -1,9 +1,8 @@
-"""The data-parallel router: which engine core serves a new request.
-
-Least loaded first; with prefix caching on, the engine whose prefix cache holds the longest
-prefix of the prompt wins, as long as its load stays within a slack of the least loaded (so a
-popular prefix cannot pile every request onto one engine). Ties, and prompts that no engine has
-cached, go to the least loaded engine (the lowest rank among equals).
+"""The default data-parallel router (``prefix-aware``): least loaded first; with prefix caching on,
+the engine whose prefix cache holds the longest prefix of the prompt wins, as long as its load stays
+within a slack of the least loaded (so a popular prefix cannot pile every request onto one engine).
+Ties, and prompts that no engine has cached, go to the least loaded engine (the lowest rank among
+equals).
 
 What each engine has cached is learnt from its KV events, which the engine core folds into one
 :class:`KVCacheDelta` per output batch: the router sees evictions as well as stores, so it never
@@ -17,26 +16,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cadence.core.block_pool import hash_block
+from cadence.engine.routers.base import Router, RouterContext
 from cadence.messages import KVCacheDelta
 
 
-class DataParallelRouter:
+class PrefixAwareRouter(Router):
     """Chooses an engine per request from the engines' loads and cached block hashes.
 
     ``slack``/``slack_ratio``: the engine with the longest prefix hit is preferred while its load
     is at most ``least + max(slack, slack_ratio * least)``, ``least`` being the lowest load.
     """
 
-    def __init__(self, num_engines: int, block_size: int, *, prefix_caching: bool, slack: int = 4,
-                 slack_ratio: float = 0.25) -> None:
-        if num_engines < 1:
-            raise ValueError(f"num_engines must be at least 1, got {num_engines}")
-        self.num_engines = num_engines
-        self.block_size = block_size
-        self.prefix_caching = prefix_caching
+    name = "prefix-aware"
+
+    def __init__(self, context: RouterContext, *, slack: int = 4, slack_ratio: float = 0.25) -> None:
+        super().__init__(context)
+        self.num_engines = context.num_engines
+        self.block_size = context.block_size
+        self.prefix_caching = context.prefix_caching
         self.slack = slack
         self.slack_ratio = slack_ratio
-        self._cached: list[set[int]] = [set() for _ in range(num_engines)]
+        self._cached: list[set[int]] = [set() for _ in range(self.num_engines)]
+
+    @property
+    def observes_prefix_caches(self) -> bool:
+        return self.prefix_caching
 
     def choose(self, loads: Sequence[float], prompt_token_ids: Sequence[int]) -> int:
         """The rank of the engine for a request with this prompt, given each engine's load."""
