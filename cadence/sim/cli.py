@@ -9,7 +9,8 @@ first when none is stored yet (a minute and a half on the default model, 2 cores
 names a file or the built-in fallback. Engine flags are the same as ``generate``'s; for
 ``calibrate`` give them after the sub-verb. A simulation models a server: options left out
 take ``cadence serve``'s defaults (a 512-token step budget, the 100 ms inter-token latency target),
-and it models one engine core on one rank.
+and it models one engine core on one rank, or a fleet of them behind a data-parallel router
+(``--engines N --router NAME``: the real server's router code).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput: ttft, tpot, e2el in milliseconds, e.g. ttft:500 tpot:50")
     g.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles to report")
+    g.add_argument("--engines", type=int, default=1,
+                   help="simulate a fleet of this many engine cores behind --router (one virtual clock)")
     g.add_argument("--output-dir", default="sim-results", help="folder for results.json and plots")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -111,8 +114,11 @@ def run_simulate(ns: argparse.Namespace) -> int:
     percentiles = _percentiles(ns.metric_percentiles)
     args = _serving_args(ns)
     if args.data_parallel_size != 1 or args.tensor_parallel_size != 1:
-        raise ValueError("cadence simulate models one engine core on one rank; drop --data-parallel-size and "
-                         "--tensor-parallel-size (calibrate the cost model on the engine you want to model)")
+        raise ValueError("cadence simulate models engine cores of one rank each: for several, give --engines N "
+                         "(and --router NAME), not --data-parallel-size; drop --tensor-parallel-size (calibrate "
+                         "the cost model on the engine you want to model)")
+    if ns.engines < 1:
+        raise ValueError(f"--engines must be at least 1, got {ns.engines}")
     config = args.create_config()
     limits = EngineLimits.from_engine_config(config)
     cost_model = _cost_model(ns, args, config)
@@ -129,7 +135,8 @@ def run_simulate(ns: argparse.Namespace) -> int:
     specs = _policy_specs(ns)
     for label, name, options in specs:
         result = simulate(workload, limits, name, cost_model, ns.seed, policy_options=options, label=label,
-                          trace_scheduling=_trace_path(config.scheduler.trace_scheduling, label, len(specs)))
+                          trace_scheduling=_trace_path(config.scheduler.trace_scheduling, label, len(specs)),
+                          engines=ns.engines, router=config.parallel.router)
         print(f"{label}: {result.num_steps} steps, {result.end_time:.1f} s simulated in "
               f"{result.wall_time_s:.2f} s", file=sys.stderr)
         results.append(result)

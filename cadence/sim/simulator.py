@@ -10,7 +10,7 @@ thread and no randomness beyond the seed, so a run is deterministic and fast.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,22 +23,17 @@ from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.scheduling_trace import SchedulingTrace
+from cadence.engine.routers.base import Router, RouterContext, load_router
 from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
-from cadence.messages import SchedulerOutput
 from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.clock import Clock, VirtualClock
 from cadence.policies.loader import load_policy
-from cadence.request import Request
-from cadence.sampling_params import SamplingParams
+from cadence.sim.run_loop import RunLoop, SimEngine, StepHook, StepRecord
 from cadence.sim.runner import SimulatedRunner
 from cadence.sim.workload import RequestSpec
 
 if TYPE_CHECKING:
     from cadence.config import EngineConfig
-
-# Synthetic prompt ids are drawn above the ids most vocabularies keep for special tokens.
-_FIRST_ORDINARY_ID = 100
-_SYNTHETIC_VOCAB = 32000
 
 
 @dataclass(frozen=True)
@@ -113,23 +108,6 @@ class EngineLimits:
                              f"holds {self.kv_capacity_tokens}; raise --kv-cache-memory or --num-kv-blocks")
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One simulated step: when it ran, what it computed, and the engine's state after scheduling."""
-
-    start: float
-    duration: float
-    num_seqs: int
-    num_tokens: int
-    prefill_tokens: int
-    decode_seqs: int
-    kv_tokens: int
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_preemptions: int  # cumulative
-
-
 @dataclass
 class SimResult:
     """What a simulation produced: per-request records (arrival order) and per-step records."""
@@ -179,14 +157,11 @@ class SimResult:
         }
 
 
-StepHook = Callable[[Scheduler, SchedulerOutput], None]
-
-
 def simulate(
     workload: Sequence[RequestSpec],
     limits: EngineLimits | None = None,
     policy: str | SchedulingPolicy = "fcfs",
-    cost_model: CostModel | None = None,
+    cost_model: CostModel | Sequence[CostModel] | None = None,
     seed: int = 0,
     *,
     policy_options: Mapping[str, str] | None = None,
@@ -194,135 +169,77 @@ def simulate(
     on_step: StepHook | None = None,
     max_steps: int | None = None,
     trace_scheduling: str | Path | None = None,
+    engines: int = 1,
+    router: str = "prefix-aware",
 ) -> SimResult:
     """Run ``workload`` through the real scheduler under ``policy`` on a virtual clock.
 
     ``policy`` is an entry-point name (built with ``policy_options`` and the limits' context) or
     a policy object (used as is, its clock set to the run's; give each run a fresh one). Policies
-    read the virtual clock, on the trace's timeline. ``cost_model`` defaults to the
-    built-in SmolLM2 figures. ``seed`` draws the prompt token ids of specs that carry none (each
-    request gets distinct ids, so nothing hits the prefix cache by chance). ``on_step`` is called
-    after each ``schedule()`` with the scheduler and its output, before the step runs: property
-    tests check invariants there. ``max_steps`` stops a run that makes no progress.
-    ``trace_scheduling`` writes the engine's scheduling trace (``core/scheduling_trace.py``) of the
-    run to that file, stamped with the virtual clock.
+    read the virtual clock, on the trace's timeline. ``cost_model`` defaults to the built-in
+    fallback. ``seed`` draws the prompt token ids of specs that carry none (each request gets
+    distinct ids, so nothing hits the prefix cache by chance). ``on_step`` is called after each
+    ``schedule()`` with the scheduler and its output, before the step runs: property tests check
+    invariants there. ``max_steps`` stops a run that makes no progress. ``trace_scheduling``
+    writes the scheduling trace (``core/scheduling_trace.py``) of the run to that file, stamped with
+    the virtual clock (``FILE.dpRANK`` per engine of several).
 
-    :raises ValueError: for a request the engine would reject, or an unknown policy.
-    :raises RuntimeError: if the scheduler stalls (nothing scheduled on an idle engine) or
+    ``engines`` > 1 simulates a fleet: that many engines with these limits, each with its own
+    scheduler, policy (by name) and KV allocator, and its own cost model when ``cost_model`` is a
+    sequence of one per engine (heterogeneous machines), behind the data-parallel ``router``
+    (an entry point in ``cadence.routers``, the real server's code) on one virtual clock.
+
+    :raises ValueError: for a request the engine would reject, an unknown policy or router, or a
+        policy object with several engines.
+    :raises RuntimeError: if a scheduler stalls (nothing scheduled on an idle engine) or
         ``max_steps`` is exceeded.
     """
     limits = limits or EngineLimits()
-    cost_model = cost_model or CostModel.default()
+    models = list(cost_model) if isinstance(cost_model, Sequence) else [cost_model or CostModel.default()] * engines
+    if len(models) != engines or engines < 1:
+        raise ValueError(f"{engines} engine(s) need as many cost models, got {len(models)}")
     for spec in workload:
         limits.check(spec)
+    if not isinstance(policy, str) and engines > 1:
+        raise ValueError("a fleet needs a policy name (each engine builds its own), not a policy object")
     clock = VirtualClock()
-    if isinstance(policy, str):
-        name = policy
-        policy = load_policy(policy, limits.policy_context(clock), policy_options)
-    else:
-        name = policy.name
-        policy.context = replace(policy.context, clock=clock)  # the run's time, whatever it was built with
-    allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching)
-    trace = None if trace_scheduling is None else SchedulingTrace(trace_scheduling)
-    scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, policy, cost_model=cost_model,
-                          trace=trace)
-    run = _Run(workload, limits, scheduler, SimulatedRunner(cost_model), clock, seed, on_step, max_steps)
+    fleet = router_of(router, engines, limits, seed)
+    sim_engines, traces = [], []
+    for rank, model in enumerate(models):
+        if isinstance(policy, str):
+            name, engine_policy = policy, load_policy(policy, limits.policy_context(clock), policy_options)
+        else:
+            name, engine_policy = policy.name, policy
+            policy.context = replace(policy.context, clock=clock)  # the run's time, whatever it was built with
+        allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching,
+                                   enable_kv_events=fleet is not None and fleet.observes_prefix_caches)
+        path = trace_scheduling if trace_scheduling is None or engines == 1 else f"{trace_scheduling}.dp{rank}"
+        trace = None if path is None else SchedulingTrace(path)
+        traces += [trace] if trace is not None else []
+        scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, engine_policy,
+                              cost_model=model, trace=trace)
+        sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model), on_step))
+    run = RunLoop(workload, limits.max_model_len, sim_engines, fleet, clock, seed, max_steps)
     started = time.perf_counter()
     try:
         run.run()
     finally:
-        if trace is not None:
+        for trace in traces:
             trace.close()
     return SimResult(
         policy=label or name,
         records=run.records(),
         steps=run.steps,
-        num_preemptions=scheduler.num_preemptions,
+        num_preemptions=sum(e.scheduler.num_preemptions for e in sim_engines),
         wall_time_s=time.perf_counter() - started,
-        cost_model=cost_model,
+        cost_model=models[0],
         limits=limits,
         finish_reasons=run.finish_reasons,
     )
 
 
-class _Run:
-    """One simulation's mutable state and its loop."""
-
-    def __init__(self, workload: Sequence[RequestSpec], limits: EngineLimits, scheduler: Scheduler,
-                 runner: SimulatedRunner, clock: VirtualClock, seed: int, on_step: StepHook | None,
-                 max_steps: int | None) -> None:
-        # Stable order by arrival; ids are the spec's or its index.
-        self.specs = sorted(workload, key=lambda s: s.arrival_time)
-        self.ids = [s.request_id if s.request_id is not None else str(i) for i, s in enumerate(self.specs)]
-        if len(set(self.ids)) != len(self.ids):
-            raise ValueError("request ids in a workload must be unique")
-        self.limits = limits
-        self.scheduler = scheduler
-        self.runner = runner
-        self.clock = clock
-        self.rng = np.random.default_rng(seed)
-        self.on_step = on_step
-        self.max_steps = max_steps
-        self.chunk_times: dict[str, list[float]] = {rid: [] for rid in self.ids}
-        self.finish_reasons: dict[str, str] = {}
-        self.steps: list[StepRecord] = []
-        self._params: dict[int, SamplingParams] = {}
-
-    def run(self) -> None:
-        scheduler, runner, specs = self.scheduler, self.runner, self.specs
-        allocator = scheduler.allocator
-        chunk_times, finish_reasons, steps = self.chunk_times, self.finish_reasons, self.steps
-        on_step, max_steps, clock = self.on_step, self.max_steps, self.clock
-        now = specs[0].arrival_time if specs else 0.0
-        next_arrival = 0
-        while next_arrival < len(specs) or scheduler.num_unfinished:
-            clock.time = now
-            while next_arrival < len(specs) and specs[next_arrival].arrival_time <= now:
-                scheduler.add_request(self._request(next_arrival))
-                next_arrival += 1
-            if not scheduler.num_unfinished:
-                now = specs[next_arrival].arrival_time  # idle: jump to the next arrival
-                continue
-            out = scheduler.schedule()
-            if not out.num_scheduled_tokens and not scheduler.running:
-                raise RuntimeError(f"no waiting request can be scheduled on an idle engine: {scheduler.waiting[0]}")
-            if on_step is not None:
-                on_step(scheduler, out)
-            result, shape, duration = runner.execute(out)
-            steps.append(StepRecord(now, duration, shape.num_seqs, shape.num_tokens, shape.prefill_tokens,
-                                    shape.decode_seqs, shape.kv_tokens, len(scheduler.running),
-                                    len(scheduler.waiting), allocator.usage, scheduler.num_preemptions))
-            now += duration
-            clock.time = now  # the step's outputs are processed at its end
-            scheduler.observe_step_time(duration)
-            for output in scheduler.update_from_output(result):
-                if output.new_token_ids:
-                    chunk_times[output.request_id].append(now)
-                if output.finish_reason is not None:
-                    finish_reasons[output.request_id] = output.finish_reason
-            if max_steps is not None and len(steps) > max_steps:
-                raise RuntimeError(f"the simulation ran past {max_steps} steps without finishing")
-
-    def _request(self, index: int) -> Request:
-        spec = self.specs[index]
-        if spec.prompt_token_ids is not None:
-            prompt = list(spec.prompt_token_ids)
-        else:
-            prompt = self.rng.integers(_FIRST_ORDINARY_ID, _SYNTHETIC_VOCAB, size=spec.prompt_tokens).tolist()
-        params = self._params.get(spec.output_tokens) if spec.extra_args is None else None
-        if params is None:
-            params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True,
-                                    extra_args=None if spec.extra_args is None else dict(spec.extra_args))
-            if spec.extra_args is None:
-                self._params[spec.output_tokens] = params
-        return Request(self.ids[index], prompt, params, eos_token_id=None, arrival_time=spec.arrival_time,
-                       max_model_len=self.limits.max_model_len, priority=spec.priority, user=spec.user)
-
-    def records(self) -> list[RequestRecord]:
-        return [
-            RequestRecord(arrival_time=spec.arrival_time, chunk_times=self.chunk_times[rid],
-                          prompt_tokens=spec.prompt_tokens, output_tokens=len(self.chunk_times[rid]),
-                          success=self.finish_reasons.get(rid) in ("length", "stop"), request_id=rid,
-                          user=spec.user, priority=spec.priority)
-            for spec, rid in zip(self.specs, self.ids, strict=True)
-        ]
+def router_of(name: str, engines: int, limits: EngineLimits, seed: int) -> Router | None:
+    """The data-parallel router of a fleet; none for one engine (nothing to choose)."""
+    if engines == 1:
+        return None
+    return load_router(name, RouterContext(engines, limits.block_size, limits.enable_prefix_caching, seed))

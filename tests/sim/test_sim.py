@@ -205,7 +205,7 @@ def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(
         DEFAULT_TOKEN_BUDGET["serving"], DEFAULT_TARGET_ITL_MS["serving"])
     for flag in ("--data-parallel-size", "--tensor-parallel-size"):
         ns = _cli().parse_args(["simulate", "--model", folder, flag, "2", "--output-dir", str(tmp_path)])
-        with pytest.raises(ValueError, match="models one engine core on one rank"):
+        with pytest.raises(ValueError, match="engine cores of one rank each"):
             ns.run(ns)
 
 
