@@ -10,8 +10,8 @@ caller's request id as ``client_id``).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,27 @@ class Story:
     request: str
     arrival: Event
     events: list[Event] = field(default_factory=list)  # scheduled, skipped, preempted, grammar, finished
-    waits: list[tuple[int, str]] = field(default_factory=list)  # (step, why) for each step it waited
+    # [first step, step it left) of each time it waited: from its arrival or preemption to its
+    # admission or finish (None: still waiting when the trace ends).
+    spans: list[list[int | None]] = field(default_factory=list)
     step_ends: dict[int, float] = field(default_factory=dict)
+    blocked: dict[int, Event] = field(default_factory=dict)  # the trace's, by step
+
+    @cached_property
+    def waits(self) -> list[tuple[int, str]]:
+        """(step, why) for each step it waited in which admission stopped: at the head of the queue,
+        or behind the head, for the head's reason. Read from the spans, so a trace's reader does
+        work in proportion to the waits it is asked about, not to every request times every step."""
+        last = max(self.blocked, default=0) + 1
+        waits = []
+        for start, end in self.spans:
+            assert start is not None
+            for step in range(start, last if end is None else end):
+                event = self.blocked.get(step)
+                if event is not None:
+                    where = "at the head of the queue" if event["head"] == self.request else "behind the head"
+                    waits.append((step, f"{where}: {event['reason']}"))
+        return waits
 
     @property
     def arrival_time(self) -> float:
@@ -72,34 +91,23 @@ class TraceFile:
             raise ValueError(f"cannot read scheduling trace {path}: {exc}") from None
         self.stories: dict[str, Story] = {}
         self.step_ends = {e["step"]: e["t"] for e in events if e["event"] == "end"}
-        waiting: dict[str, Story] = {}  # requests waiting now: arrived or preempted, not yet admitted
-        blocked: Event | None = None  # told once the step's admissions (written after it) are known
+        # A step's ``blocked`` event is written before its admissions: a request admitted (or
+        # finished) in step s was not waiting behind it, so its wait ends at s, exclusive.
+        self.blocked = {e["step"]: e for e in events if e["event"] == "blocked"}
         for event in events:
             kind = event["event"]
-            if blocked is not None and event["step"] != blocked["step"]:
-                self._blocked(blocked, waiting.values())
-                blocked = None
             if kind == "arrival":
-                story = self.stories[event["request"]] = Story(event["request"], event, step_ends=self.step_ends)
-                waiting[story.request] = story
-            elif kind == "blocked":
-                blocked = event
-            elif "request" in event and event["request"] in self.stories:
+                story = Story(event["request"], event, spans=[[event["step"], None]], step_ends=self.step_ends,
+                              blocked=self.blocked)
+                self.stories[story.request] = story
+            elif kind != "blocked" and event.get("request") in self.stories:
                 story = self.stories[event["request"]]
                 story.events.append(event)
-                if (kind == "scheduled" and event.get("admitted")) or kind == "finished":
-                    waiting.pop(story.request, None)
-                elif kind == "preempted":
-                    waiting[story.request] = story
-        if blocked is not None:
-            self._blocked(blocked, waiting.values())
-
-    @staticmethod
-    def _blocked(event: Event, waiting: Iterable[Story]) -> None:
-        """Admission stopped at ``event["head"]``: the head waited for the reason, the rest behind it."""
-        for story in waiting:
-            where = "at the head of the queue" if story.request == event["head"] else "behind the head"
-            story.waits.append((event["step"], f"{where}: {event['reason']}"))
+                waiting = story.spans[-1][1] is None
+                if waiting and ((kind == "scheduled" and event.get("admitted")) or kind == "finished"):
+                    story.spans[-1][1] = event["step"]
+                elif kind == "preempted" and not waiting:
+                    story.spans.append([event["step"], None])
 
     def find(self, request: str) -> list[Story]:
         """The request with this id, or every sequence of the caller's request with this id.
