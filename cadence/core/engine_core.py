@@ -18,7 +18,7 @@ from cadence.config import EngineConfig
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.scheduler_actor import SchedulerActor
-from cadence.core.scheduling_trace import SchedulingTrace
+from cadence.core.scheduling_trace import SchedulingTrace, ranked_path
 from cadence.core.step_timing import StepTiming
 from cadence.core.structured_output import StructuredOutputManager
 from cadence.executor import Executor, create_executor
@@ -103,4 +103,4 @@ def scheduling_trace_of(config: EngineConfig) -> SchedulingTrace | None:
     if path is None:
         return None
     parallel = config.parallel
-    return SchedulingTrace(path if parallel.data_parallel_size == 1 else f"{path}.dp{parallel.data_parallel_rank}")
+    return SchedulingTrace(ranked_path(path, parallel.data_parallel_rank, parallel.data_parallel_size))

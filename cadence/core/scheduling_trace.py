@@ -6,12 +6,14 @@ the step being built; a request's events in step ``s`` happened while ``s`` was 
 ``t``, the policy's clock (wall seconds in the engine, the trace's virtual seconds in the
 simulator). Events:
 
-- ``arrival``: ``request``, ``client_id`` (the caller's request id and sequence index, when the
-  engine knows them), ``prompt_tokens``, ``max_tokens``, ``priority``, ``user``, ``extra_args``.
+- ``arrival``: ``request``, ``client_id`` (the caller's request id, when the engine knows it; each
+  of its ``n`` sequences is a request of its own), ``prompt_tokens``, ``max_tokens``, ``priority``,
+  ``user``, ``extra_args``.
 - ``scheduled``: ``request`` got ``tokens`` from position ``start``; ``samples`` when it reaches
   the end of its known tokens (a new token comes out of this step); on admission ``admitted`` and
   ``cached`` (prompt tokens found in the prefix cache).
-- ``skipped``: a running ``request`` got nothing this step (``reason``: ``token_budget``).
+- ``skipped``: a running ``request`` got nothing this step (``reason``: ``token_budget`` or
+  ``latency_target``).
 - ``blocked``: admission stopped at waiting request ``head`` for ``reason`` (``token_budget``,
   ``latency_target``: what the step's decodes left of ``--target-itl-ms``, ``seats``, ``kv_blocks``,
   ``preempted_this_step``, ``memory``: a running request needed blocks this step); the other
@@ -41,6 +43,12 @@ SEATS = "seats"
 KV_BLOCKS = "kv_blocks"
 PREEMPTED_THIS_STEP = "preempted_this_step"
 MEMORY = "memory"
+
+
+def ranked_path(path: str | Path, rank: int, num_ranks: int) -> str | Path:
+    """The trace file of engine core ``rank`` of ``num_ranks``: ``path`` itself, or ``path.dpRANK``
+    when there are several (the engine's data-parallel cores, a simulated fleet)."""
+    return path if num_ranks == 1 else f"{path}.dp{rank}"
 
 
 class SchedulingTrace:

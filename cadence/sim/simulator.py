@@ -22,7 +22,7 @@ from cadence.config import SchedulerConfig
 from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
-from cadence.core.scheduling_trace import SchedulingTrace
+from cadence.core.scheduling_trace import SchedulingTrace, ranked_path
 from cadence.engine.routers.base import Router, RouterContext, load_router
 from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
 from cadence.policies.base import PolicyContext, SchedulingPolicy
@@ -204,7 +204,7 @@ def simulate(
         raise ValueError("a fleet needs a policy name (each engine builds its own), not a policy object")
     clock = VirtualClock()
     fleet = router_of(router, engines, limits, seed)
-    sim_engines, traces = [], []
+    sim_engines = []
     for rank, model in enumerate(models):
         if isinstance(policy, str):
             name, engine_policy = policy, load_policy(policy, limits.policy_context(clock), policy_options)
@@ -213,9 +213,8 @@ def simulate(
             policy.context = replace(policy.context, clock=clock)  # the run's time, whatever it was built with
         allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching,
                                    enable_kv_events=fleet is not None and fleet.observes_prefix_caches)
-        path = trace_scheduling if trace_scheduling is None or engines == 1 else f"{trace_scheduling}.dp{rank}"
+        path = None if trace_scheduling is None else ranked_path(trace_scheduling, rank, engines)
         trace = None if path is None else SchedulingTrace(path)
-        traces += [trace] if trace is not None else []
         scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, engine_policy,
                               cost_model=model, trace=trace)
         sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model), on_step))
@@ -224,8 +223,9 @@ def simulate(
     try:
         run.run()
     finally:
-        for trace in traces:
-            trace.close()
+        for engine in sim_engines:
+            if engine.scheduler.trace is not None:
+                engine.scheduler.trace.close()
     return SimResult(
         policy=label or name,
         records=run.records(),
