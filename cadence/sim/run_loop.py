@@ -144,11 +144,14 @@ class RunLoop:
                 started = [engine] if engine.load else []
             else:
                 now = clock.time = arrival
+                started = []  # idle engines that got a request: only arrivals give an idle engine work
                 while next_arrival < len(specs) and specs[next_arrival].arrival_time <= now:
                     request = self._request(next_arrival)
-                    self._route(request).scheduler.add_request(request)
+                    engine = self._route(request)
+                    engine.scheduler.add_request(request)
+                    if engine.busy_until is None and engine not in started:
+                        started.append(engine)
                     next_arrival += 1
-                started = [e for e in engines if e.busy_until is None and e.load]
             for engine in started:
                 heapq.heappush(ends, (engine.start(now), engine.rank))
                 num_steps += 1
