@@ -240,7 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--range-ratio", type=float, default=0.0)
     parser.add_argument("--dataset-path", default=None,
                         help="ShareGPT .json or .jsonl of {prompt, output_len}; "
-                             "with --dataset-name trace, a JSONL trace")
+                             "with --dataset-name trace, a trace file (any format of --trace-format)")
     parser.add_argument("--dataset-name", default="random",
                         choices=["random", "sharegpt-like", "prefix-repetition", "trace"],
                         help="random (--input-len, --output-len, --range-ratio), "
@@ -293,7 +293,7 @@ def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str 
 def _trace(ns: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
     """:raises ValueError: without a trace file, or with arrival options a trace's own times replace."""
     if not ns.dataset_path:
-        raise ValueError("--dataset-name trace replays the JSONL trace given as --dataset-path")
+        raise ValueError("--dataset-name trace replays the trace file given as --dataset-path")
     if not math.isinf(ns.request_rate) or ns.burstiness != 1.0:
         raise ValueError("a trace's requests arrive at its own times: drop --request-rate and --burstiness "
                          "(--trace-time-scale speeds it up or slows it down)")
