@@ -31,25 +31,22 @@ class PrefixAwareRouter(Router):
 
     def __init__(self, context: RouterContext, *, slack: int = 4, slack_ratio: float = 0.25) -> None:
         super().__init__(context)
-        self.num_engines = context.num_engines
-        self.block_size = context.block_size
-        self.prefix_caching = context.prefix_caching
         self.slack = slack
         self.slack_ratio = slack_ratio
-        self._cached: list[set[int]] = [set() for _ in range(self.num_engines)]
+        self._cached: list[set[int]] = [set() for _ in range(self.context.num_engines)]
 
     @property
     def observes_prefix_caches(self) -> bool:
-        return self.prefix_caching
+        return self.context.prefix_caching
 
     def choose(self, loads: Sequence[float], prompt_token_ids: Sequence[int]) -> int:
         """The rank of the engine for a request with this prompt, given each engine's load."""
         least = min(loads)
-        if self.prefix_caching:
+        if self.context.prefix_caching:
             matched = self.matched_blocks(prompt_token_ids)
             if any(matched):
                 bound = least + max(self.slack, self.slack_ratio * least)
-                eligible = [e for e in range(self.num_engines) if loads[e] <= bound]
+                eligible = [e for e in range(self.context.num_engines) if loads[e] <= bound]
                 return max(eligible, key=lambda e: (matched[e], -loads[e], -e))
         return loads.index(least)
 
@@ -59,9 +56,9 @@ class PrefixAwareRouter(Router):
         Like the allocator's lookup, the last prompt token is never counted as cached. Hashing stops
         at the first block no engine holds, so a prompt nobody has seen costs one hash.
         """
-        bs = self.block_size
-        matched = [0] * self.num_engines
-        holders = list(range(self.num_engines))
+        bs = self.context.block_size
+        matched = [0] * self.context.num_engines
+        holders = list(range(self.context.num_engines))
         parent: int | None = None
         for i in range((len(prompt_token_ids) - 1) // bs):
             parent = hash_block(parent, list(prompt_token_ids[i * bs:(i + 1) * bs]))
