@@ -14,10 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from cadence.sampling_params import ExtraArg
 from cadence.sim.trace_formats import TraceOptions, load_workload
-from cadence.sim.workload import LengthDist
-
-# SmolLM2 and most byte-level BPE vocabularies keep their special tokens among the first ids.
-_FIRST_ORDINARY_ID = 100
+from cadence.sim.workload import FIRST_ORDINARY_ID, LengthDist
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,7 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
     requests = []
     for _ in range(num):
         n_in = length(input_len)
-        prompt = [rng.randrange(_FIRST_ORDINARY_ID, vocab_size) for _ in range(n_in)]
+        prompt = [rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(n_in)]
         requests.append(BenchRequest(prompt, n_in, length(output_len)))
     return requests
 
@@ -79,7 +76,7 @@ def length_mix_requests(num: int, mix: LengthMix, vocab_size: int, seed: int) ->
     rng = np.random.default_rng(seed)
     inputs = np.minimum(mix.input_len.sample(num, rng), mix.max_input_len)
     outputs = np.minimum(mix.output_len.sample(num, rng), mix.max_output_len)
-    return [BenchRequest(rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=int(n_in)).tolist(), int(n_in), int(n_out))
+    return [BenchRequest(rng.integers(FIRST_ORDINARY_ID, vocab_size, size=int(n_in)).tolist(), int(n_in), int(n_out))
             for n_in, n_out in zip(inputs, outputs, strict=True)]
 
 
@@ -93,7 +90,7 @@ def prefix_repetition_requests(num: int, prefix_len: int, suffix_len: int, num_p
     rng = random.Random(seed)
 
     def tokens(count: int) -> list[int]:
-        return [rng.randrange(_FIRST_ORDINARY_ID, vocab_size) for _ in range(count)]
+        return [rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(count)]
 
     prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
     return [BenchRequest(prefixes[i % num_prefixes] + tokens(suffix_len), prefix_len + suffix_len, output_len)
@@ -137,6 +134,6 @@ def trace_requests(path: str | Path, options: TraceOptions, vocab_size: int,
     rng = random.Random(options.seed)
     return [BenchRequest(
         list(spec.prompt_token_ids) if spec.prompt_token_ids is not None
-        else [rng.randrange(_FIRST_ORDINARY_ID, vocab_size) for _ in range(spec.prompt_tokens)],
+        else [rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(spec.prompt_tokens)],
         spec.prompt_tokens, spec.output_tokens, arrival_time=spec.arrival_time,
         priority=spec.priority, user=spec.user, extra_args=spec.extra_args) for spec in specs]

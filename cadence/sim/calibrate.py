@@ -33,14 +33,11 @@ from cadence.core.cost_model import CostModel, FitQuality, StepShape, fit_cost_m
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.sim.replay import replay
 from cadence.sim.runner import ShapeTracker
-from cadence.sim.workload import LengthDist, RequestSpec, arrival_times
+from cadence.sim.workload import FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, LengthDist, RequestSpec, arrival_times
 
 if TYPE_CHECKING:
     from cadence.engine.llm import LLM
     from cadence.executor import Executor
-
-# Random prompt ids start above the ids most vocabularies keep for special tokens.
-_FIRST_ORDINARY_ID = 100
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,7 @@ class TimedStep:
 
 
 def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int = 0, quick: bool = False,
-                 vocab_size: int = 32000, prefix_caching: bool = True) -> list[Phase]:
+                 vocab_size: int = SYNTHETIC_VOCAB, prefix_caching: bool = True) -> list[Phase]:
     """Bursts of requests (all at once) of chosen shapes, then two Poisson streams.
 
     With prefix caching, two bursts share a long prompt prefix: big decode batches over long
@@ -81,10 +78,10 @@ def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int =
 
     def shared(count: int, prefix: int, output: int) -> list[RequestSpec]:
         prefix = max(1, min(prefix, max_model_len - output - 1 - prefix // 4))
-        common = rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=prefix).tolist()
+        common = rng.integers(FIRST_ORDINARY_ID, vocab_size, size=prefix).tolist()
         suffixes = spread(prefix // 8 + 1, min(count, max_num_seqs))
         return [RequestSpec(0.0, prefix + n, output, prompt_token_ids=tuple(
-                    common + rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=n).tolist())) for n in suffixes]
+                    common + rng.integers(FIRST_ORDINARY_ID, vocab_size, size=n).tolist())) for n in suffixes]
 
     def mixed_lengths(count: int, output_cap: int) -> list[RequestSpec]:
         # ShareGPT-like: lognormal prompts (mean 240) and outputs (mean 160), capped.

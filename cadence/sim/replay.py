@@ -19,9 +19,7 @@ from cadence.engine.async_engine import AsyncEngine
 from cadence.engine.llm import LLM
 from cadence.engine.request_manager import RequestHandle
 from cadence.sampling_params import SamplingParams
-from cadence.sim.workload import RequestSpec
-
-_FIRST_ORDINARY_ID = 100
+from cadence.sim.workload import FIRST_ORDINARY_ID, RequestSpec
 
 
 def replay(engine: LLM, specs: Sequence[RequestSpec], seed: int = 0) -> list[RequestRecord]:
@@ -73,4 +71,4 @@ async def _submit(engine: AsyncEngine, request_id: str, prompt: list[int], spec:
 def _prompts(specs: Sequence[RequestSpec], vocab_size: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [list(s.prompt_token_ids) if s.prompt_token_ids is not None
-            else rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=s.prompt_tokens).tolist() for s in specs]
+            else rng.integers(FIRST_ORDINARY_ID, vocab_size, size=s.prompt_tokens).tolist() for s in specs]

@@ -27,11 +27,7 @@ from cadence.policies.clock import VirtualClock
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams
 from cadence.sim.runner import SimulatedRunner
-from cadence.sim.workload import RequestSpec
-
-# Synthetic prompt ids are drawn above the ids most vocabularies keep for special tokens.
-_FIRST_ORDINARY_ID = 100
-_SYNTHETIC_VOCAB = 32000
+from cadence.sim.workload import FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, RequestSpec
 
 StepHook = Callable[[Scheduler, SchedulerOutput], None]
 
@@ -174,7 +170,7 @@ class RunLoop:
         if spec.prompt_token_ids is not None:
             prompt = list(spec.prompt_token_ids)
         else:
-            prompt = self.rng.integers(_FIRST_ORDINARY_ID, _SYNTHETIC_VOCAB, size=spec.prompt_tokens).tolist()
+            prompt = self.rng.integers(FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, size=spec.prompt_tokens).tolist()
         params = self._params.get(spec.output_tokens) if spec.extra_args is None else None
         if params is None:
             params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True,

@@ -28,14 +28,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cadence.sim.workload import RequestSpec, load_trace
+from cadence.sim.workload import FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, RequestSpec, load_trace
 
 FORMATS = ("auto", "cadence", "azure", "burstgpt", "mooncake")
 MOONCAKE_BLOCK_TOKENS = 512
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens")
-# Mooncake blocks' token ids start above the ids most vocabularies keep for special tokens.
-_FIRST_ORDINARY_ID = 100
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,7 @@ class TraceOptions:
     window: tuple[float, float] | None = None
     sample: float = 1.0
     seed: int = 0
-    vocab_size: int = 32000  # Mooncake's blocks get token ids below it
+    vocab_size: int = SYNTHETIC_VOCAB  # Mooncake's blocks get token ids below it
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -60,16 +58,14 @@ class TraceOptions:
             raise ValueError(f"the trace window must be START:END seconds with 0 <= START < END, got {self.window}")
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace, vocab_size: int = 32000) -> TraceOptions:
+    def from_args(cls, ns: argparse.Namespace, vocab_size: int = SYNTHETIC_VOCAB) -> TraceOptions:
         window = None
         if ns.trace_window:
-            start, sep, end = ns.trace_window.partition(":")
             try:
-                window = (float(start), float(end))
+                start, end = (float(bound) for bound in ns.trace_window.split(":"))
             except ValueError:
-                sep = ""
-            if not sep:
-                raise ValueError(f"--trace-window takes START:END in seconds, got {ns.trace_window!r}")
+                raise ValueError(f"--trace-window takes START:END in seconds, got {ns.trace_window!r}") from None
+            window = (start, end)
         return cls(ns.trace_format, ns.trace_time_scale, window, ns.trace_sample, ns.seed, vocab_size)
 
 
@@ -182,12 +178,12 @@ def _mooncake_spec(line: str, request_id: str, blocks: dict[int, list[int]], voc
     for hash_id in row.get("hash_ids") or ():
         if hash_id not in blocks:  # the same block wherever it appears: seeded by its id
             block_rng = random.Random(int(hash_id))
-            blocks[hash_id] = [block_rng.randrange(_FIRST_ORDINARY_ID, vocab_size)
+            blocks[hash_id] = [block_rng.randrange(FIRST_ORDINARY_ID, vocab_size)
                                for _ in range(MOONCAKE_BLOCK_TOKENS)]
         ids += blocks[hash_id]
     if len(ids) < length:  # fewer blocks than the prompt: the rest is its own
         tail_rng = random.Random(f"{request_id}-tail")
-        ids += [tail_rng.randrange(_FIRST_ORDINARY_ID, vocab_size) for _ in range(length - len(ids))]
+        ids += [tail_rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(length - len(ids))]
     return RequestSpec(float(row["timestamp"]) / 1000.0, length, max(1, int(row["output_length"])),
                        request_id=request_id, prompt_token_ids=tuple(ids[:length]))
 

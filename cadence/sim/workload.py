@@ -24,6 +24,12 @@ import numpy as np
 
 from cadence.sampling_params import ExtraArg
 
+# Prompts made up of random token ids draw them from FIRST_ORDINARY_ID up (most vocabularies keep
+# their special tokens among the first ids), below the model's vocabulary size, or SYNTHETIC_VOCAB
+# where no model is at hand (the simulator).
+FIRST_ORDINARY_ID = 100
+SYNTHETIC_VOCAB = 32000
+
 _TRACE_KEYS = {"arrival_time", "prompt_tokens", "output_tokens", "priority", "user", "request_id", "extra_args"}
 
 
