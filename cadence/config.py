@@ -7,10 +7,13 @@ built, so nothing here is mutated afterwards.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,6 +103,60 @@ class SchedulerConfig:
         _require(self.target_itl_ms >= 0, f"target_itl_ms must be >= 0, got {self.target_itl_ms}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``--speculative-config`` takes it (docs/speculative_decoding.md).
+
+    ``ngram`` drafts the tokens that followed the latest earlier occurrence of the sequence's last
+    ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens, in its prompt and output. Drafting
+    stops while more than ``disable_by_batch_size`` requests run: a large batch is no longer bound by
+    reading the weights, and verifying drafts then costs throughput.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"speculative method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+        _require(1 <= self.num_speculative_tokens <= 16,
+                 f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 "prompt_lookup_min must be at least 1 and at most prompt_lookup_max, got "
+                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        _require(self.disable_by_batch_size >= 1,
+                 f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """``--speculative-config``'s JSON (or ``LLM(speculative_config={...})``'s dict); None: off.
+
+        :raises ConfigError: for JSON that does not parse, or a key or value this config does not take.
+        """
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, f"--speculative-config does not take {unknown}; it takes {sorted(known)}")
+        for key, item in value.items():
+            _require(key == "method" or (isinstance(item, int) and not isinstance(item, bool)),
+                     f"--speculative-config: {key} must be an integer, got {item!r}")
+        return cls(**value)
+
+
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
@@ -182,6 +239,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig | None = None  # None: one token per request per step
 
     def for_data_parallel_rank(self, rank: int) -> EngineConfig:
         """This configuration for engine core ``rank`` of ``data_parallel_size``."""

@@ -19,6 +19,7 @@ from cadence.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_memory,
     resolve_dtype,
     resolve_quantization,
@@ -90,6 +91,9 @@ class EngineArgs:
     trace_scheduling: str | None = field(default=None, metadata=_flag(
         "write every scheduling decision about each request to this JSONL file (`cadence trace explain`; "
         "an engine core of several writes FILE.dpRANK; docs/research.md)", metavar="FILE"))
+    speculative_config: str | dict[str, Any] | None = field(default=None, metadata=_flag(
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' (docs/speculative_decoding.md)', metavar="JSON"))
     device: str = field(default="cpu", metadata=_flag("torch device to run on"))
     num_threads: int | None = field(default=None, metadata=_flag("torch threads (default: all cores)"))
     attention_backend: str | None = field(default=None, metadata=_flag(
@@ -107,6 +111,7 @@ class EngineArgs:
     def create_config(self) -> EngineConfig:
         """Resolve the model (converting a GGUF once), refuse an architecture no installed package runs
         (``docs/models.md``), then build and validate the config tree."""
+        speculative = SpeculativeConfig.parse(self.speculative_config)  # before a slow model conversion
         path = resolve_model(self.model)  # a GGUF's architecture is checked before it is converted
         gguf_file = gguf_file_of(self.model)
         quantization = resolve_quantization(self.quantization, gguf_file, self.device)
@@ -148,6 +153,7 @@ class EngineArgs:
                                     distributed_executor_backend=self.distributed_executor_backend),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
                                 attention_backend=self.attention_backend),
+            speculative=speculative,
         )
 
 

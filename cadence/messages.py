@@ -74,6 +74,9 @@ class SchedulerOutput(_Message):
     preempted_request_ids: list[str]
     # Only when some request that samples this step has a structured-output constraint.
     grammar_bitmask: GrammarBitmask | None = None
+    # Speculative decoding: the drafted tokens each request's scheduled tokens end with (after its
+    # last sampled token), to be verified in this step (docs/speculative_decoding.md).
+    spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -111,8 +114,14 @@ class ModelRunnerOutput(_Message):
 
     step_id: int
     request_ids: list[str]
+    # The last token each request sampled; with speculative decoding, it follows the drafts accepted.
     sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None  # aligned with request_ids when any asked
+    # When any asked: one entry per token each request emits (its accepted drafts', then its sampled one's).
+    logprobs: list[TokenLogprobs] | None = None
+    # Speculative decoding (aligned with request_ids): how many of the step's drafts each request
+    # accepted, and its drafts for the next step.
+    num_accepted_drafts: list[int] | None = None
+    draft_token_ids: list[list[int]] | None = None
     # For requests that asked for them, whatever prompt positions this step computed.
     prompt_logprobs: list[PromptLogprobs] | None = None
     forward_time_s: float = 0.0  # the model's forward pass, for the engine's step timing
@@ -174,6 +183,17 @@ class SchedulerStats(_Message):
     num_steps: int = 0
     step_time_s: float = 0.0
     forward_time_s: float = 0.0
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
+
+
+class SpecDecodeStats(_Message):
+    """Speculative decoding's cumulative counts, as vLLM names its metrics."""
+
+    num_drafts: int = 0  # verifications: a request's drafted tokens checked in one step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # accepted drafts plus the token each verification samples
+    accepted_per_pos: list[int] = msgspec.field(default_factory=list)  # accepted at draft position i
 
 
 class KVCacheDelta(_Message):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
@@ -71,6 +72,21 @@ class RequestView(Protocol):
         ...
 
 
+@dataclass
+class Drafts:
+    """A decoding request's speculative drafts (docs/speculative_decoding.md): the worker's last
+    proposal, how many of them the step being run verifies, and how well they have been accepted
+    (``core/speculation.py``)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    num_scheduled: int = 0
+    # Drafts accepted and judged, exponentially weighted: their ratio estimates the chance that a
+    # draft is accepted (starting from 2 of 3).
+    accepted: float = 2.0
+    tried: float = 3.0
+    paused_steps: int = 0
+
+
 class Request:
     """One sequence inside the engine core (``n > 1`` is fanned out before it gets here)."""
 
@@ -107,6 +123,7 @@ class Request:
         # sent with the first output token; a recompute after preemption adds none twice.
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs_sent = False
+        self.drafts = Drafts()
         room = max_model_len - len(prompt_token_ids)
         requested = sampling_params.max_tokens
         self.max_tokens = room if requested is None else min(requested, room)

@@ -179,6 +179,32 @@ class KVAllocatorMachine(RuleBasedStateMachine):
         req.all_token_ids.append(token)  # sampled last step
         self.grow(req, 1)
 
+    @precondition(lambda self: self.decoding())
+    @rule(index=PICK, token=st.integers(0, VOCAB - 1), drafts=st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                                        max_size=6), data=st.data())
+    def speculate(self, index: int, token: int, drafts: list[int], data: st.DataObject) -> None:
+        """Speculative decoding: slots for the sampled token and its drafts, whose KV the model writes;
+        a prefix of the drafts is accepted and the rejected ones' positions are taken back (their
+        slots stay with the request and are overwritten by its next tokens)."""
+        req = self.pick(self.decoding(), index)
+        req.all_token_ids.append(token)  # sampled last step
+        before = self.snapshot()
+        num_held = len(self.alloc.block_ids(req.request_id))
+        new_ids = self.alloc.allocate(req, 1 + len(drafts))
+        if new_ids is None:
+            assert self.snapshot() == before
+            self.grow(req, 1)  # decodes without drafts (or is preempted)
+            return
+        assert self.alloc.block_ids(req.request_id)[num_held:] == new_ids
+        table = self.alloc.block_ids(req.request_id)
+        start = req.num_computed_tokens
+        for pos, draft in enumerate(drafts, start + 1):
+            self.shadow[self.slot(table, pos)] = draft
+        accepted = data.draw(st.integers(0, len(drafts)), label="accepted")
+        req.all_token_ids.extend(drafts[:accepted])
+        self.compute(req, 1 + accepted)  # rewrites what the step wrote for these positions
+        event("drafts all accepted" if accepted == len(drafts) else "drafts rejected")
+
     @precondition(lambda self: self.running)
     @rule(index=PICK, chunk=st.integers(1, 12), token=st.integers(0, VOCAB - 1))
     def preempt_in_the_step_that_allocated(self, index: int, chunk: int, token: int) -> None:

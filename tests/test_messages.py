@@ -21,14 +21,17 @@ EXAMPLES: list[msgspec.Struct] = [
         num_scheduled_tokens={"r1": 4, "r2": 1},
         finished_request_ids=["r0"],
         preempted_request_ids=["r3"],
+        spec_token_ids={"r2": [5, 6]},
     ),
-    m.ModelRunnerOutput(7, ["r1", "r2"], [11, 12], [LOGPROBS, LOGPROBS], forward_time_s=0.01,
-                        prompt_logprobs=[m.PromptLogprobs("r2", 1, [LOGPROBS, LOGPROBS])]),
+    m.ModelRunnerOutput(7, ["r1", "r2"], [11, 12], [LOGPROBS, LOGPROBS, LOGPROBS], forward_time_s=0.01,
+                        prompt_logprobs=[m.PromptLogprobs("r2", 1, [LOGPROBS, LOGPROBS])],
+                        num_accepted_drafts=[0, 1], draft_token_ids=[[], [7, 8]]),
     m.ExecutorFailed(7, "boom"),
     m.WorkerReady(rank=1, num_blocks=40),
     m.WorkerFailed(rank=1, error="RuntimeError: boom"),
     m.EngineCoreOutputs([m.EngineCoreOutput("r1", [11], [LOGPROBS], "stop", 16, queue_time_s=0.5)], timestamp=3.0,
-                        stats=m.SchedulerStats(2, 1, 0.25, 30, 40, 512, 128, 3)),
+                        stats=m.SchedulerStats(2, 1, 0.25, 30, 40, 512, 128, 3,
+                                               spec_decode=m.SpecDecodeStats(4, 10, 6, 10, [3, 2, 1, 0]))),
     m.EngineCoreOutputs([], timestamp=3.5, kv_delta=m.KVCacheDelta(stored=[2**64 - 1, 7], removed=[9], cleared=True)),
     m.EngineCoreReady(num_blocks=40, block_size=16, policy="fcfs (chunked=true)"),
     m.EngineDead("engine core exited"),
@@ -55,7 +58,8 @@ def test_every_message_type_has_an_example() -> None:
     # round-trips it there.
     covered = {type(e) for e in EXAMPLES} | {m.NewRequestData, m.CachedRequestData, m.TokenLogprobs,
                                               m.EngineCoreOutput, m.SequenceDelta, m.SchedulerStats,
-                                              m.GrammarBitmask, m.KVCacheDelta, m.PromptLogprobs}
+                                              m.GrammarBitmask, m.KVCacheDelta, m.PromptLogprobs,
+                                              m.SpecDecodeStats}
     assert tagged == covered
 
 

@@ -66,6 +66,18 @@ def test_chunked_prefill_matches_transformers(prompts: list[list[int]], referenc
     assert got == reference
 
 
+def test_speculative_decoding_matches_transformers(prompts: list[list[int]], reference: list[list[int]]) -> None:
+    """n-gram drafts verified through the quantized kernels' multi-row tiles and the attention's
+    prefill path: the same greedy tokens, one request at a time (where drafts are worth verifying)."""
+    spec = LLM(dtype="float32", num_threads=2, speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got = [spec.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert got == reference
+    speculation = spec.engine_core.scheduler.speculation
+    assert speculation is not None and 0 < speculation.num_accepted_tokens < speculation.num_draft_tokens
+    spec.shutdown()
+
+
 def test_default_model_answers_the_capital_of_france(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]

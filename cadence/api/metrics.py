@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cadence.messages import RequestOutput, SchedulerStats
+from cadence.messages import RequestOutput, SchedulerStats, SpecDecodeStats
 
 # vLLM's buckets.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -141,6 +141,25 @@ class _EngineCollector(Collector):
                       [s.step_time_s if s else 0.0 for s in stats])
         yield counter("model_forward_seconds", "Part of the engine steps' wall time spent in the model forward.",
                       [s.forward_time_s if s else 0.0 for s in stats])
+        spec = [s.spec_decode if s else None for s in stats]
+        if any(spec):
+            yield from self._spec_decode(spec, counter)
+
+    def _spec_decode(self, spec: list[SpecDecodeStats | None],
+                     counter: Callable[[str, str, list[float]], Metric]) -> Iterator[Metric]:
+        """Speculative decoding's counters, as vLLM names them (docs/speculative_decoding.md)."""
+        for name, doc in (("num_drafts", "Verifications: one request's drafted tokens checked in one step."),
+                          ("num_draft_tokens", "Drafted tokens verified."),
+                          ("num_accepted_tokens", "Drafted tokens accepted."),
+                          ("num_emitted_tokens", "Tokens emitted by verifications: accepted drafts plus one each.")):
+            yield counter(f"spec_decode_{name}", doc, [getattr(s, name) if s else 0 for s in spec])
+        per_pos = CounterMetricFamily("cadence:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafted tokens accepted, by their position in the draft.",
+                                      labels=["model_name", "engine", "position"])
+        for rank, s in enumerate(spec):
+            for position, count in enumerate(s.accepted_per_pos if s else []):
+                per_pos.add_metric([self._model_name, str(rank), str(position)], count)
+        yield per_pos
 
 
 class RequestTimer:

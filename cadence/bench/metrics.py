@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from cadence.bench.server_counters import SpecDecodeFigures
+
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 DEFAULT_PERCENTILES = (99.0,)
 
@@ -111,9 +113,10 @@ class BenchmarkMetrics:
     itl: LatencyStats
     e2el: LatencyStats
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)
-    # Prompt tokens found in the server's prefix cache over the timed requests, from its /metrics
-    # (bench/prefix_cache_probe.py); None where the server does not export the counters.
+    # Prompt tokens found in the server's prefix cache over the timed requests, and its drafts verified,
+    # from its /metrics (bench/server_counters.py); None where the server does not export the counters.
     prefix_cache_hit_rate: float | None = None
+    spec_decode: SpecDecodeFigures | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, with vLLM's result keys (``mean_ttft_ms``, ``p99_itl_ms`` ...)."""
@@ -132,6 +135,11 @@ class BenchmarkMetrics:
             out["goodput_slos_ms"] = dict(self.goodput_slos_ms)
         if self.prefix_cache_hit_rate is not None:
             out["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        if (spec := self.spec_decode) is not None:
+            out.update(spec_decode_acceptance_rate=spec.acceptance_rate,
+                       spec_decode_acceptance_length=spec.acceptance_length, spec_decode_num_drafts=spec.drafts,
+                       spec_decode_num_draft_tokens=spec.draft_tokens,
+                       spec_decode_num_accepted_tokens=spec.accepted_tokens)
         for name in ("ttft", "tpot", "itl", "e2el"):
             stats: LatencyStats = getattr(self, name)
             out[f"mean_{name}_ms"] = stats.mean

@@ -35,7 +35,7 @@ from cadence.bench.datasets import (
     trace_requests,
 )
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
-from cadence.bench.prefix_cache_probe import PrefixCacheProbe
+from cadence.bench.server_counters import ServerCountersProbe
 from cadence.sim.trace_formats import TraceOptions, add_trace_args
 
 DEFAULT_NUM_PROMPTS = 64
@@ -147,10 +147,10 @@ def _delta_text(event: dict[str, Any]) -> str:
 
 async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompts: Sequence[str | list[int]], *,
                    request_rate: float, burstiness: float, max_concurrency: int | None, seed: int,
-                   show_progress: bool, probe: PrefixCacheProbe | None = None
+                   show_progress: bool, probe: ServerCountersProbe | None = None
                    ) -> tuple[list[RequestRecord], float, float]:
     """Send every request on its schedule; returns the records and the run's start and end times.
-    ``probe`` reads the server's prefix-cache counters once the untimed first request is done."""
+    ``probe`` reads the server's counters once the untimed first request is done."""
     offsets = arrival_offsets(requests, request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     progress = tqdm(total=len(requests), desc="Requests", unit="req", disable=not show_progress)
@@ -216,6 +216,13 @@ def format_report(metrics: BenchmarkMetrics, title: str = "Serving Benchmark Res
         lines.append(f"{'Request goodput (req/s):':<40}{d['request_goodput']:<10.2f}")
     if metrics.prefix_cache_hit_rate is not None:
         lines.append(f"{'Prefix cache hit rate (%):':<40}{100 * metrics.prefix_cache_hit_rate:<10.2f}")
+    if (spec := metrics.spec_decode) is not None:
+        lines += [f"{'Speculative Decoding':-^60}",
+                  f"{'Acceptance rate (%):':<40}{100 * spec.acceptance_rate:<10.2f}",
+                  f"{'Acceptance length:':<40}{spec.acceptance_length:<10.2f}",
+                  f"{'Drafts:':<40}{spec.drafts:<10}",
+                  f"{'Draft tokens:':<40}{spec.draft_tokens:<10}",
+                  f"{'Accepted tokens:':<40}{spec.accepted_tokens:<10}"]
     for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(f"{label:-^60}")
@@ -311,17 +318,18 @@ def measure(ns: argparse.Namespace, requests: Sequence[BenchRequest] | None = No
     base_url = ns.base_url.rstrip("/")
     model = ns.model or asyncio.run(served_model(base_url, ns.api_key))
     target = ServeTarget(base_url, ns.endpoint, model, ns.api_key, ns.ignore_eos)
-    probe = PrefixCacheProbe(base_url, auth_headers(ns.api_key))
+    probe = ServerCountersProbe(base_url, auth_headers(ns.api_key))
 
-    async def load() -> tuple[list[RequestRecord], float, float, float | None]:
+    async def load() -> tuple[list[RequestRecord], float, float]:
         records, start, end = await run_load(
             target, requests, prompts, request_rate=ns.request_rate, burstiness=ns.burstiness,
             max_concurrency=ns.max_concurrency, seed=ns.seed, show_progress=not ns.disable_tqdm, probe=probe)
-        return records, start, end, await probe.hit_rate()
+        await probe.finish()
+        return records, start, end
 
-    records, start, end, hit_rate = asyncio.run(load())
+    records, start, end = asyncio.run(load())
     metrics = compute_metrics(records, start_time=start, end_time=end, goodput_slos_ms=slos, percentiles=percentiles)
-    return model, replace(metrics, prefix_cache_hit_rate=hit_rate)
+    return model, replace(metrics, prefix_cache_hit_rate=probe.hit_rate(), spec_decode=probe.spec_decode())
 
 
 def run(ns: argparse.Namespace) -> int:

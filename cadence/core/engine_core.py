@@ -19,6 +19,7 @@ from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.scheduler_actor import SchedulerActor
 from cadence.core.scheduling_trace import SchedulingTrace, ranked_path
+from cadence.core.speculation import SpecDecoding
 from cadence.core.step_timing import StepTiming
 from cadence.core.structured_output import StructuredOutputManager
 from cadence.executor import Executor, create_executor
@@ -63,8 +64,10 @@ class EngineCore:
                                    windows=groups.windows)
         # Loads the tokenizer and xgrammar only when the first constrained request arrives.
         grammars = StructuredOutputManager(functools.partial(load_tokenizer, config.model.path), hf_config.vocab_size)
+        speculation = None if config.speculative is None else SpecDecoding(config.speculative)
         return cls(config, hf_config, executor, allocator, Scheduler(sched, allocator, policy, grammars,
-                                                                     trace=scheduling_trace_of(config)))
+                                                                     trace=scheduling_trace_of(config),
+                                                                     speculation=speculation))
 
     def actors(self, outputs_to: Mailbox[Any]) -> tuple[SchedulerActor, ExecutorActor]:
         """Fresh scheduler and executor actors over these components; the scheduler actor takes

@@ -12,7 +12,8 @@ KV allocator and calls it synchronously (see docs/architecture.md, "Scheduling")
 Structured output: a constrained request is admitted once its grammar has compiled (others are
 admitted past it meanwhile); each step carries the token bitmask of the constrained requests that
 sample, and each accepted token advances the request's matcher (see ``structured_output.py``).
-With ``--trace-scheduling``, every decision about each request goes to a ``SchedulingTrace``.
+With ``--speculative-config``, a decode also verifies drafted tokens (``speculation.py``). With
+``--trace-scheduling``, every decision about each request goes to a ``SchedulingTrace``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from cadence.config import SchedulerConfig
 from cadence.core import scheduling_trace as why
 from cadence.core.cost_model import CostModel, StepShape
 from cadence.core.kv_cache_manager import KVCacheManager
+from cadence.core.speculation import SpecDecoding, logprob_starts
 from cadence.core.step_budget import StepBudget
 from cadence.core.step_plan import StepPlan
 from cadence.core.structured_output import StructuredOutputManager
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: KVCacheManager, policy: SchedulingPolicy,
                  structured_output: StructuredOutputManager | None = None, cost_model: CostModel | None = None,
-                 trace: why.SchedulingTrace | None = None) -> None:
+                 trace: why.SchedulingTrace | None = None, speculation: SpecDecoding | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.policy = policy
@@ -64,8 +66,10 @@ class Scheduler:
         self.step_budget = (StepBudget(config.target_itl_ms / 1000.0, cost_model)
                             if config.target_itl_ms and policy.chunked else None)
         self._last_shape: StepShape | None = None
+        self._last_num_tokens = 0
         # --trace-scheduling: every decision about each request, stamped with the policy's clock.
         self.trace = trace
+        self.speculation = speculation  # --speculative-config: drafts verified with decodes
 
     # ---- queue management --------------------------------------------------------------------
 
@@ -125,18 +129,9 @@ class Scheduler:
 
     @property
     def waiting_for_grammars(self) -> bool:
-        """Nothing can be scheduled until a compile ends: no request runs, and no waiting one is ready
-        (each is constrained, and its grammar is compiling or failed and not yet taken by
-        :meth:`finish_failed_grammars`).
-
-        A request that is ready stays ready until it finishes, so when this is False the next
-        :meth:`schedule` admits someone; a compile that fails after this check cannot leave an idle
-        engine with a step that schedules nothing.
-        """
+        """Nothing can be scheduled until a compile ends (see :meth:`StructuredOutputManager.blocks_all`)."""
         grammars = self.structured_output
-        if grammars is None or not grammars.num_compiling or self.running or not self.waiting:
-            return False
-        return not any(grammars.is_ready(request.request_id) for request in self.waiting)
+        return grammars is not None and grammars.blocks_all(self.waiting, self.running)
 
     def wait_for_grammars(self, timeout_s: float) -> None:
         """Block until a pending compile finishes or ``timeout_s`` passes (run it in a thread)."""
@@ -160,8 +155,7 @@ class Scheduler:
         return self.structured_output is None or self.structured_output.is_ready(request.request_id)
 
     def _active_grammars(self) -> StructuredOutputManager | None:
-        """The manager while some request has a matcher: checked once per step, so that the
-        unconstrained path pays nothing per token."""
+        """The manager while some request has a matcher (checked once per step: no cost per token)."""
         grammars = self.structured_output
         return grammars if grammars is not None and grammars.num_active else None
 
@@ -172,6 +166,8 @@ class Scheduler:
             self.trace.begin_step(self._step_id + 1, self.policy.now())
         step = StepPlan(self.config.max_num_batched_tokens, self.step_budget, self.running)
         self._serve_running(step)
+        if self.speculation is not None:  # with what the running requests' own tokens left
+            self.speculation.add_drafts(step, self.requests, self.allocator, self.policy)
         self._admit_waiting(step)
         return self._build_output(step)
 
@@ -273,10 +269,11 @@ class Scheduler:
         return None
 
     def observe_step_time(self, seconds: float) -> None:
-        """How long the step :meth:`schedule` built last took (the engine's wall time, or the
-        simulator's modelled time): it keeps the step-time model the latency target relies on."""
+        """How long the step :meth:`schedule` built last took (wall or modelled), for the ITL target's model."""
         if self.step_budget is not None and self._last_shape is not None:
             self.step_budget.observe(self._last_shape, seconds)
+        if self.speculation is not None:
+            self.speculation.observe(self._last_num_tokens, seconds)
 
     def _prefix_hit(self, request: Request) -> tuple[list[list[int]], int]:
         """The request's prefix-cache hit; none for one that wants its prompt's logprobs, whose
@@ -322,6 +319,7 @@ class Scheduler:
         cached_requests: list[CachedRequestData] = []
         if self.step_budget is not None:
             self._last_shape = step.shape(self.requests)
+        self._last_num_tokens = sum(step.scheduled.values())
         preempted_ids = [r.request_id for r in step.preempted if r.request_id in self._on_worker]
         self._on_worker.difference_update(preempted_ids)
         for request_id, num in step.scheduled.items():
@@ -341,6 +339,7 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                 ))
                 self._on_worker.add(request_id)
+            request.drafts.num_scheduled = step.drafts.get(request_id, 0)
             if self.trace is not None:
                 self.trace.scheduled(request, num, admitted)
             # Told once the step is final, so that nothing taken back by a preemption is counted.
@@ -355,6 +354,7 @@ class Scheduler:
             finished_request_ids=self._finished_since_last_step,
             preempted_request_ids=preempted_ids,
             grammar_bitmask=None if grammars is None else grammars.step_bitmask(step.scheduled, self.requests),
+            spec_token_ids={rid: self.requests[rid].drafts.token_ids[:n] for rid, n in step.drafts.items()},
         )
         self._finished_since_last_step = []
         return output
@@ -371,22 +371,27 @@ class Scheduler:
             if part.request_id in self.requests:  # not aborted while its step ran
                 self.requests[part.request_id].add_prompt_logprobs(part.start, part.entries)
         grammars = self._active_grammars()
+        starts = [] if logprobs is None else logprob_starts(runner_output)
         for i, (request_id, token_id) in enumerate(
                 zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True)):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            request.append_output_token(token_id)
-            # The grammar's verdict first: a complete constrained output is a stop, even at max_tokens.
-            stop = None if grammars is None else grammars.verdict(request, token_id)
-            if stop is None:
-                stop = request.check_stop()
-            if stop is not None:
-                self._finish(request, stop)
+            tokens = [token_id] if self.speculation is None else self.speculation.settle(request, runner_output, i)
+            for n, token in enumerate(tokens, 1):
+                request.append_output_token(token)
+                # The grammar's verdict first: a complete constrained output is a stop, even at max_tokens.
+                stop = None if grammars is None else grammars.verdict(request, token)
+                if stop is None:
+                    stop = request.check_stop()
+                if stop is not None:
+                    self._finish(request, stop)
+                    del tokens[n:]
+                    break
             outputs.append(EngineCoreOutput(
                 request_id,
-                [token_id],
-                new_logprobs=None if logprobs is None else [logprobs[i]],
+                tokens,
+                new_logprobs=None if logprobs is None else logprobs[starts[i]:starts[i] + len(tokens)],
                 prompt_logprobs=request.take_prompt_logprobs(),
                 finish_reason=None if stop is None else stop.finish_reason,
                 num_cached_tokens=request.num_cached_tokens,

@@ -188,6 +188,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
             num_steps=self.timing.total.num_steps,
             step_time_s=self.timing.total.wall_s,
             forward_time_s=self.timing.total.forward_s,
+            spec_decode=None if scheduler.speculation is None else scheduler.speculation.stats(),
         )
 
 

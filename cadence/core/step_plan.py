@@ -21,6 +21,7 @@ class StepPlan:
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # per KV cache group
     preempted: list[Request] = field(default_factory=list)
+    drafts: dict[str, int] = field(default_factory=dict)  # request id -> drafted tokens it verifies
     preempted_for_running: bool = False
     # Seconds the step's prefill chunks may still take (inf: only the token budget bounds them).
     time_left: float = math.inf
@@ -60,9 +61,19 @@ class StepPlan:
             if self.step_budget is not None:
                 self.time_left -= self.step_budget.chunk_time(num, start)
 
+    def add_drafts(self, request: Request, num: int, blocks: list[list[int]]) -> None:
+        """``request``'s tokens, taken already, go on with ``num`` drafts held in ``blocks`` as well
+        (speculative decoding; per KV cache group)."""
+        self.drafts[request.request_id] = num
+        self.scheduled[request.request_id] += num
+        for ids, more in zip(self.new_blocks[request.request_id], blocks, strict=True):
+            ids.extend(more)
+        self.budget -= num
+
     def drop(self, request: Request) -> None:
         self.budget += self.scheduled.pop(request.request_id, 0)
         self.new_blocks.pop(request.request_id, None)
+        self.drafts.pop(request.request_id, None)
 
     def shape(self, requests: Mapping[str, Request]) -> StepShape:
         """What the step computes, before the requests' computed counts move past it."""

@@ -20,7 +20,7 @@ import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -160,6 +160,19 @@ class StructuredOutputManager:
             self._grammars.move_to_end(key)
         self._compiling[request_id] = future
         self._deadlines[request_id] = time.monotonic() + self._compile_timeout_s
+
+    def blocks_all(self, waiting: Collection[Request], running: Collection[Request]) -> bool:
+        """Whether nothing can be scheduled until a compile ends: no request runs, and no waiting one
+        is ready (each is constrained, and its grammar is compiling or failed and not yet taken by
+        :meth:`take_failures`).
+
+        A request that is ready stays ready until it finishes, so when this is False the scheduler's
+        next step admits someone; a compile that fails after this check cannot leave an idle engine
+        with a step that schedules nothing.
+        """
+        if not self.num_compiling or running or not waiting:
+            return False
+        return not any(self.is_ready(request.request_id) for request in waiting)
 
     def is_ready(self, request_id: str) -> bool:
         """Whether the request may be scheduled: unconstrained, or its matcher exists (made here

@@ -20,6 +20,7 @@ import torch
 from cadence.backends.base import AttentionBackend, BatchLayout
 from cadence.executor.sampler import Sampler, apply_grammar_bitmask
 from cadence.executor.sampling_plan import SamplingRow
+from cadence.executor.speculation import Drafter, verify
 from cadence.messages import ModelRunnerOutput, NewRequestData, PromptLogprobs, SchedulerOutput
 from cadence.sampling_params import SamplingParams
 
@@ -64,9 +65,18 @@ class CachedRequestState:
                                     list(self.output_token_ids), self.eos_token_id)
         return self._row
 
-    def append(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
+    def append(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
         self._row = None
+
+    def draft_rows(self, drafts: list[int]) -> list[SamplingRow]:
+        """The rows that verify ``drafts``: one per position, each seeing the drafts before it as
+        outputs, so penalties and per-position seeds are those the tokens would meet one at a time."""
+        rows = [self.sampling_row()]
+        outputs = self.output_token_ids
+        rows += [SamplingRow(self.sampling_params, self.prompt_token_ids, outputs + drafts[:i], self.eos_token_id)
+                 for i in range(1, len(drafts) + 1)]
+        return rows
 
 
 @dataclass
@@ -95,8 +105,9 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     layouts: list[BatchLayout]  # per KV cache group
-    logits_indices: torch.Tensor  # the sampled rows, then the prompt rows
+    logits_indices: torch.Tensor  # the sampled rows (a speculating request: one per draft, plus one), then prompt rows
     sampled_states: list[CachedRequestState]
+    drafts: list[list[int]]  # aligned with sampled_states: the drafts each verifies this step
     prompt: PromptRows
 
 
@@ -112,6 +123,7 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler | None = None,  # a tensor-parallel worker passes one that broadcasts rank 0's tokens
         layer_groups: list[int] | None = None,  # each layer's KV cache group (default: one group)
+        drafter: Drafter | None = None,  # speculative decoding: proposes each request's next drafts
     ) -> None:
         self.model = model
         self.backend = backend
@@ -121,6 +133,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler or Sampler()
+        self.drafter = drafter
         self.states: dict[str, CachedRequestState] = {}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -137,23 +150,26 @@ class ModelRunner:
             # Host time: on the CPU the forward has finished here (a GPU's may still be running).
             forward_time = time.perf_counter() - forward_start
             prompt_logprobs = self._prompt_logprobs(logits, inputs) if inputs.prompt.rows else None
-            logits = logits[:len(inputs.sampled_states)]
             if not inputs.sampled_states:  # only partial prefills this step
                 return ModelRunnerOutput(scheduler_output.step_id, [], [], forward_time_s=forward_time,
                                          prompt_logprobs=prompt_logprobs)
-            if scheduler_output.grammar_bitmask is not None:
+            rows = [row for state, drafts in zip(inputs.sampled_states, inputs.drafts, strict=True)
+                    for row in (state.draft_rows(drafts) if drafts else [state.sampling_row()])]
+            logits = logits[:len(rows)]
+            if scheduler_output.grammar_bitmask is not None:  # constrained requests never draft: one row each
                 apply_grammar_bitmask(logits, [s.request_id for s in inputs.sampled_states],
                                       scheduler_output.grammar_bitmask)
-            sampled = self.sampler(logits, [s.sampling_row() for s in inputs.sampled_states])
-        for state, token_id in zip(inputs.sampled_states, sampled.token_ids, strict=True):
-            state.append(token_id)
+            sampled = self.sampler(logits, rows)
+        verified = verify(inputs.sampled_states, inputs.drafts, sampled)
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
             request_ids=[s.request_id for s in inputs.sampled_states],
-            sampled_token_ids=sampled.token_ids,
-            logprobs=sampled.logprobs,
+            sampled_token_ids=verified.last_tokens,
+            logprobs=verified.logprobs,
             forward_time_s=forward_time,
             prompt_logprobs=prompt_logprobs,
+            num_accepted_drafts=verified.num_accepted if scheduler_output.spec_token_ids else None,
+            draft_token_ids=None if self.drafter is None else self.drafter.propose(inputs.sampled_states),
         )
 
     def _prompt_logprobs(self, logits: torch.Tensor, inputs: StepInputs) -> list[PromptLogprobs]:
@@ -187,6 +203,7 @@ class ModelRunner:
         seq_lens = np.empty(num_reqs, dtype=np.int64)
         input_ids: list[int] = []
         sampled_states: list[CachedRequestState] = []
+        step_drafts: list[list[int]] = []
         logits_indices: list[int] = []
         prompt = PromptRows()
         states = [self.states[request_id] for request_id in out.num_scheduled_tokens]
@@ -194,12 +211,16 @@ class ModelRunner:
             start = state.num_computed_tokens
             end = start + int(counts[i])
             seq_lens[i] = end
-            input_ids.extend(state.token_slice(start, end))
+            drafts = out.spec_token_ids.get(state.request_id, [])
+            input_ids.extend(state.token_slice(start, end - len(drafts)))
+            input_ids.extend(drafts)
             prompt.add(state, int(query_start_loc[i]), start, end)
-            if end == state.num_tokens:
+            if end == state.num_tokens + len(drafts):
                 sampled_states.append(state)
-                logits_indices.append(int(query_start_loc[i + 1]) - 1)
-            state.num_computed_tokens = end
+                step_drafts.append(drafts)
+                last = int(query_start_loc[i + 1])
+                logits_indices.extend(range(last - 1 - len(drafts), last))
+            state.num_computed_tokens = end  # verify() takes back the rejected drafts
         # Positions run from each request's first new token to its last.
         positions = np.arange(int(query_start_loc[-1]), dtype=np.int64) - np.repeat(
             query_start_loc[:-1] - (seq_lens - counts), counts)
@@ -214,6 +235,7 @@ class ModelRunner:
             layouts=layouts,
             logits_indices=torch.tensor(logits_indices + prompt.rows, dtype=torch.long, device=self.device),
             sampled_states=sampled_states,
+            drafts=step_drafts,
             prompt=prompt,
         )
 

@@ -159,6 +159,15 @@ class SchedulingPolicy(abc.ABC):
             return token_budget
         return 0
 
+    def num_speculative_tokens(self, request: RequestView, num_drafts: int) -> int:
+        """How many of the ``num_drafts`` drafted tokens a decoding ``request`` verifies this step
+        (speculative decoding, docs/speculative_decoding.md): each costs the step a token of its
+        budget, like a prompt token. ``num_drafts`` already fits the budget, the request's
+        ``max_tokens`` and how well its recent drafts were accepted; return fewer to cap speculation
+        (0: decode one token). The default verifies them all.
+        """
+        return num_drafts
+
     # ---- 3. preemption ------------------------------------------------------------------------
 
     def pick_victim(self, running: Sequence[RequestView], needy: RequestView) -> RequestView:

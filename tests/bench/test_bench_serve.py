@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import statistics
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,6 @@ from support.sse_server import HITS_PER_REPLY, PROMPT_TOKENS, TOKENS_PER_REPLY
 from cadence.bench.cli import register
 from cadence.bench.datasets import BenchRequest, prefix_repetition_requests, trace_requests
 from cadence.bench.metrics import compute_metrics
-from cadence.bench.prefix_cache_probe import PrefixCacheCounts, parse_counts
 from cadence.bench.serve import (
     ServeTarget,
     arrival_delays,
@@ -30,6 +30,7 @@ from cadence.bench.serve import (
     request_body,
     run_load,
 )
+from cadence.bench.server_counters import ServerCounts, parse_counts
 from cadence.sim.trace_formats import TraceOptions
 
 
@@ -91,8 +92,8 @@ cadence:prefix_cache_queries_total{engine="1",model_name="m"} 7.0
 # TYPE cadence:prefix_cache_hits_total counter
 cadence:prefix_cache_hits_total{engine="0",model_name="m"} 3.0
 """
-    assert parse_counts(page) == PrefixCacheCounts(queries=12.0, hits=3.0)
-    assert parse_counts(page.replace("cadence:", "vllm:")) == PrefixCacheCounts(queries=12.0, hits=3.0)
+    assert parse_counts(page) == ServerCounts(prefix_cache_queries=12.0, prefix_cache_hits=3.0)
+    assert parse_counts(page.replace("cadence:", "vllm:")) == ServerCounts(12.0, 3.0)
     assert parse_counts("# TYPE other_total counter\nother_total 1.0\n") is None
 
 
@@ -118,6 +119,27 @@ def test_a_cadence_server_reports_its_prefix_cache_hits(
         _, metrics = measure(_serve_args("--base-url", process.url, *args))
     assert metrics.completed == 6 and metrics.prefix_cache_hit_rate is not None
     assert 0.5 < metrics.prefix_cache_hit_rate < 1.0
+
+
+def test_a_cadence_server_reports_its_speculative_decoding(
+        serve_tiny: Callable[..., contextlib.AbstractContextManager[Any]],
+        make_tiny_model: Callable[..., Path]) -> None:
+    """``serve --speculative-config``: the tiny model's greedy loops are drafted, and the benchmark
+    reports the drafts the server's /metrics counted over the timed requests."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    args = ["--dataset-name", "random", "--input-len", "16", "--output-len", "48", "--num-prompts", "4",
+            "--ignore-eos", "--max-concurrency", "1", "--tokenizer", str(make_tiny_model("llama"))]
+    with serve_tiny("--speculative-config", spec) as process:
+        _, metrics = measure(_serve_args("--base-url", process.url, *args))
+        page = urllib.request.urlopen(process.url + "/metrics").read().decode()
+    spec_decode = metrics.spec_decode
+    assert metrics.completed == 4 and spec_decode is not None
+    assert 0 < spec_decode.accepted_tokens <= spec_decode.draft_tokens <= 3 * spec_decode.drafts
+    assert metrics.total_output_tokens == 4 * 48  # every emitted token reached the client
+    assert "Acceptance rate (%):" in format_report(metrics)
+    counts = parse_counts(page)
+    assert counts is not None and counts.spec_decode_num_accepted_tokens >= spec_decode.accepted_tokens
+    assert 'cadence:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name=' in page
 
 
 def test_a_trace_replays_at_its_own_times_with_its_token_ids_and_fields(tmp_path: Path) -> None:

@@ -405,7 +405,7 @@ def test_cached_state_splits_prompt_and_outputs_and_copies_the_message() -> None
     state = CachedRequestState.from_new(data)
     assert (state.prompt_token_ids, state.output_token_ids) == ([1, 2, 3], [4, 5])
     assert state.num_tokens == 5 and state.num_computed_tokens == 2 and state.eos_token_id == 0
-    state.append(9)
+    state.append([9])
     state.block_ids[0].append(8)
     assert data.token_ids == [1, 2, 3, 4, 5] and data.block_ids == [[6, 7]]
 
@@ -423,7 +423,7 @@ def test_sampling_row_is_kept_until_a_token_is_appended() -> None:
     row = state.sampling_row()
     assert state.sampling_row() is row
     assert (row.prompt_token_ids, row.output_token_ids, row.eos_token_id) == ([1, 2, 3], [4], 2)
-    state.append(6)
+    state.append([6])
     fresh = state.sampling_row()
     assert fresh is not row and fresh.output_token_ids == [4, 6]
     assert row.output_token_ids == [4]  # the earlier row is a snapshot

@@ -91,6 +91,18 @@ def test_kernel_against_the_gguf_reference(kind: GGMLQuantizationType, rows: int
 
 
 @needs_kernel
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it() -> None:
+    """Bit for bit, whatever tile a row lands in (one at a time, two per whole-group tile, four per
+    pair of panels): a request's tokens must not change with the batch, or with the drafts it verifies."""
+    torch.manual_seed(4)
+    matrix, _ = _weight(Q.Q4_1, rows=200, blocks=5)
+    x = torch.randn(12, matrix.cols)
+    alone = torch.cat([quantized_linear(x[i:i + 1], matrix, None) for i in range(12)])
+    for batch in range(2, 13):
+        assert torch.equal(quantized_linear(x[:batch], matrix, None), alone[:batch]), batch
+
+
+@needs_kernel
 @pytest.mark.parametrize("layout", ["dense", "padded", "every-other", "column-strided"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_strided_rows_and_bf16(layout: str, dtype: torch.dtype) -> None:

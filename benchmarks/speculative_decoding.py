@@ -1,0 +1,101 @@
+"""Speculative decoding (n-gram) against decoding one token a step, in the same run.
+
+Three workloads, each run without and with ``--speculative-config`` (two engines, one after the
+other, the same requests; a warm-up request first):
+
+- **copy**: one user at a time, each prompt a chat asking to repeat a source file from
+  ``benchmarks/data/copy_heavy/`` with one name changed (the work speculation is for);
+- **random**: one user at a time, prompts of random token ids, sampled at temperature 1 (nothing to
+  copy: speculation must back off, and cost at most 5%; seeded, so both runs emit the same tokens);
+- **batch**: 64 requests at once, random prompts (W1's shape; speculation must turn itself down
+  where a large batch makes verification cost throughput).
+
+Prints output tokens/s of each, the ratio, and the acceptance counts. A benchmark, never a test:
+
+    python benchmarks/speculative_decoding.py [--quantization none --dtype bfloat16 --num-threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from cadence import LLM, SamplingParams
+from cadence.messages import SpecDecodeStats
+
+DATA = Path(__file__).parent / "data" / "copy_heavy"
+RENAMES = {"ngram_proposer.py.txt": ("NgramProposer", "PromptLookup"), "clock.py.txt": ("WallClock", "SystemClock"),
+           "step_timing.py.txt": ("StepTiming", "StepTimes")}
+
+
+def copy_prompts() -> list[list[dict[str, str]]]:
+    chats = []
+    for name, (old, new) in RENAMES.items():
+        source = (DATA / name).read_text()
+        chats.append([{"role": "user", "content": f"Rewrite this Python code exactly as it is, but rename {old} "
+                                                  f"to {new}. Reply with the code only.\n\n{source}"}])
+    return chats
+
+
+def run(llm: LLM, prompts: list[Any], params: SamplingParams, one_at_a_time: bool, chat: bool) -> tuple[float, int]:
+    """Seconds and output tokens for the prompts, one request at a time or all at once."""
+    batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+    start, tokens = time.perf_counter(), 0
+    for batch in batches:
+        outputs = llm.chat(batch, params, use_tqdm=False) if chat else llm.generate(batch, params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+    return time.perf_counter() - start, tokens
+
+
+def spec_stats(llm: LLM) -> SpecDecodeStats | None:
+    speculation = llm.engine_core.scheduler.speculation
+    return None if speculation is None else speculation.stats()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 8}')
+    parser.add_argument("--output-json", default=None)
+    ns = parser.parse_args()
+    rng = random.Random(0)
+    randoms = [[rng.randrange(1000, 40000) for _ in range(256)] for _ in range(4 + 64 + 1)]
+    workloads = [  # name, prompts, params, one at a time, chat
+        ("copy", copy_prompts(), SamplingParams(temperature=0, max_tokens=384), True, True),
+        # Sampled: greedy decoding of random prompts falls into loops, which drafts predict well.
+        ("random", randoms[:4], SamplingParams(temperature=1.0, seed=0, max_tokens=128, ignore_eos=True), True, False),
+        ("batch", randoms[4:68], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), False, False),
+    ]
+    results: dict[str, dict[str, Any]] = {name: {} for name, *_ in workloads}
+    for label, spec in (("off", None), ("on", ns.speculative_config)):
+        llm = LLM(model=ns.model, quantization=ns.quantization, dtype=ns.dtype, num_threads=ns.num_threads,
+                  speculative_config=spec, enable_prefix_caching=False)
+        llm.generate([randoms[-1]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+        for name, prompts, params, single, chat in workloads:
+            before = spec_stats(llm)
+            seconds, tokens = run(llm, prompts, params, single, chat)
+            after = spec_stats(llm)
+            entry = results[name][label] = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+            if before is not None and after is not None:
+                entry["drafted"] = after.num_draft_tokens - before.num_draft_tokens
+                entry["accepted"] = after.num_accepted_tokens - before.num_accepted_tokens
+                entry["verifications"] = after.num_drafts - before.num_drafts
+        llm.shutdown()
+    print(f"{'workload':8} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7} {'drafted':>8} {'accepted':>9}")
+    for name, runs in results.items():
+        off, on = runs["off"], runs["on"]
+        print(f"{name:8} {off['tok_s']:10.1f} {on['tok_s']:10.1f} {on['tok_s'] / off['tok_s']:7.2f} "
+              f"{on.get('drafted', 0):8d} {on.get('accepted', 0):9d}")
+    if ns.output_json:
+        Path(ns.output_json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

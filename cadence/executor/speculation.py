@@ -1,0 +1,92 @@
+"""Speculative decoding in the worker: verifying a step's drafts and proposing the next ones.
+
+A speculating request's step computes its last sampled token and its ``k`` drafts; the logits at
+those ``k + 1`` positions are sampled as ``k + 1`` ordinary rows, row ``i`` seeing drafts ``0..i-1``
+as outputs (penalties, per-position seeds). Drafts are accepted while each equals the token its
+position sampled; the first that differs is replaced by that sample (or, all accepted, the last
+row's sample is a bonus token). The drafts are point guesses (the n-gram proposer's), and for a
+point guess this is exactly rejection sampling: a draft ``d`` is kept with probability ``p(d)``, and
+on rejection the token is drawn from ``p`` without ``d``, renormalised. So greedy output is
+token-identical to decoding one token at a time, a seeded request's too (each position draws from
+the seed of its output index), and any other keeps the target distribution
+(docs/speculative_decoding.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from cadence.config import SpeculativeConfig
+from cadence.executor.ngram_proposer import NgramProposer
+from cadence.executor.sampler import SamplerOutput
+from cadence.messages import TokenLogprobs
+from cadence.sampling_params import SamplingParams
+
+
+class DraftingState(Protocol):
+    """What verification and drafting read and change of a request's state in the model runner."""
+
+    num_computed_tokens: int
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    def append(self, token_ids: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A step's outcome per sampled request: its last token, how many drafts it accepted, and the
+    logprobs of every token it emitted (when any row asked)."""
+
+    last_tokens: list[int]
+    num_accepted: list[int]
+    logprobs: list[TokenLogprobs] | None
+
+
+def verify(states: Sequence[DraftingState], drafts: Sequence[list[int]], sampled: SamplerOutput) -> Verified:
+    """Accept each request's drafts up to the first its rows disagree with; append the emitted
+    tokens to its state and take back the rejected drafts' positions (their KV is overwritten later).
+
+    ``sampled`` has ``len(drafts[i]) + 1`` rows per request, in order.
+    """
+    last_tokens, num_accepted = [], []
+    logprobs: list[TokenLogprobs] | None = None if sampled.logprobs is None else []
+    at = 0
+    for state, guess in zip(states, drafts, strict=True):
+        tokens = sampled.token_ids[at:at + len(guess) + 1]
+        accepted = 0
+        while accepted < len(guess) and tokens[accepted] == guess[accepted]:
+            accepted += 1
+        state.append(tokens[:accepted + 1])
+        state.num_computed_tokens -= len(guess) - accepted
+        if logprobs is not None and sampled.logprobs is not None:
+            logprobs.extend(sampled.logprobs[at:at + accepted + 1])
+        last_tokens.append(tokens[accepted])
+        num_accepted.append(accepted)
+        at += len(guess) + 1
+    return Verified(last_tokens, num_accepted, logprobs)
+
+
+class Drafter:
+    """Proposes each sampled request's drafts for the next step (the scheduler decides how many run).
+
+    A constrained request never drafts (its grammar would have to check every draft); a batch of
+    more than ``disable_by_batch_size`` requests drafts nothing, as the scheduler then verifies none.
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                      config.num_speculative_tokens)
+        self.max_batch = config.disable_by_batch_size
+
+    def propose(self, states: Sequence[DraftingState]) -> list[list[int]]:
+        if len(states) > self.max_batch:
+            return [[] for _ in states]
+        return [[] if state.sampling_params.structured_outputs is not None
+                else self.proposer.propose(state.prompt_token_ids + state.output_token_ids) for state in states]
