@@ -167,7 +167,7 @@ class Scheduler:
         step = StepPlan(self.config.max_num_batched_tokens, self.step_budget, self.running)
         self._serve_running(step)
         if self.speculation is not None:  # with what the running requests' own tokens left
-            self.speculation.add_drafts(step, self.requests, self.allocator, self.policy)
+            self.speculation.add_drafts(step, self.requests, self.allocator, self.policy, self._active_grammars())
         self._admit_waiting(step)
         return self._build_output(step)
 

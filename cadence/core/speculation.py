@@ -27,6 +27,7 @@ from itertools import accumulate
 from cadence.config import SpeculativeConfig
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.step_plan import StepPlan
+from cadence.core.structured_output import StructuredOutputManager
 from cadence.messages import ModelRunnerOutput, SpecDecodeStats
 from cadence.policies.base import SchedulingPolicy
 from cadence.request import Request
@@ -75,10 +76,11 @@ class SpecDecoding:
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
     def add_drafts(self, step: StepPlan, requests: Mapping[str, Request], allocator: KVCacheManager,
-                   policy: SchedulingPolicy) -> None:
+                   policy: SchedulingPolicy, grammars: StructuredOutputManager | None) -> None:
         """Let each decode of ``step`` verify drafts with its token, in the running order: those worth
-        verifying, within the budget left and its ``max_tokens``, as many as the policy allows, in
-        blocks that are free (never preempting: short of blocks, it decodes one token)."""
+        verifying, within the budget left and its ``max_tokens``, up to the first its grammar refuses,
+        as many as the policy allows, in blocks that are free (never preempting: short of blocks, it
+        decodes one token)."""
         if len(step.scheduled) > self.config.disable_by_batch_size:
             return
         share = self.cost.token_share(sum(step.scheduled.values()))
@@ -88,6 +90,8 @@ class SpecDecoding:
                 continue  # a prompt's chunk, or nothing drafted
             room = request.max_tokens - request.num_output_tokens - 1
             count = min(len(request.drafts.token_ids), self._worth(request, share), step.budget, room)
+            if count > 0 and grammars is not None:
+                count = grammars.num_valid(request_id, request.drafts.token_ids[:count])
             count = max(0, min(count, policy.num_speculative_tokens(request, count))) if count > 0 else 0
             blocks = allocator.allocate(request, 1 + count) if count else None
             if blocks is not None:

@@ -114,8 +114,10 @@ class StructuredOutputManager:
 
     A constrained request is registered on arrival (:meth:`add_request`), which starts its compile
     in the background; the scheduler admits it only once :meth:`is_ready` says its matcher exists.
-    Matchers advance with every accepted token and are never rolled back: the scheduler never
-    discards an output token (a preempted request keeps its outputs and recomputes them).
+    Matchers advance with every accepted token and are never rolled back past it: the scheduler
+    never discards an output token (a preempted request keeps its outputs and recomputes them).
+    Speculative decoding's drafts are checked, and their positions' bitmasks filled, by advancing a
+    matcher over them and rolling it back at once.
     """
 
     def __init__(self, load_tokenizer: Callable[[], PreTrainedTokenizerBase], vocab_size: int,
@@ -217,18 +219,40 @@ class StructuredOutputManager:
 
     def step_bitmask(self, scheduled: Iterable[str], requests: Mapping[str, Request]) -> GrammarBitmask | None:
         """The bitmask of a step's constrained requests that sample in it (their last token is in
-        it), in the step's order; None when there is none."""
-        request_ids = [request_id for request_id in scheduled if request_id in self._matchers
-                       and requests[request_id].num_computed_tokens == requests[request_id].num_tokens]
-        return self.grammar_bitmask(request_ids) if request_ids else None
+        it; their ``num_computed_tokens`` already counts the step), in the step's order; None when
+        there is none. A request verifying drafts has a row for each (speculative decoding)."""
+        drafts = {request_id: requests[request_id].drafts for request_id in scheduled if request_id in self._matchers}
+        sampling = {request_id: d.token_ids[:d.num_scheduled] for request_id, d in drafts.items()
+                    if requests[request_id].num_computed_tokens == requests[request_id].num_tokens + d.num_scheduled}
+        return self.grammar_bitmask(sampling) if sampling else None
 
-    def grammar_bitmask(self, request_ids: list[str]) -> GrammarBitmask:
-        """The next-token bitmask of these requests (all with a matcher), one row each, in order."""
+    def grammar_bitmask(self, drafts: Mapping[str, list[int]]) -> GrammarBitmask:
+        """The next-token bitmask of these requests (all with a matcher), in order: one row each,
+        then one more after each of its drafts (all of which its grammar accepts: :meth:`num_valid`)."""
         xgr = _xgrammar()
+        request_ids = [request_id for request_id, tokens in drafts.items() for _ in range(len(tokens) + 1)]
         bitmask: torch.Tensor = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
-        for row, request_id in enumerate(request_ids):
-            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+        row = 0
+        for request_id, tokens in drafts.items():
+            matcher = self._matchers[request_id]
+            for token in (*tokens, None):
+                matcher.fill_next_token_bitmask(bitmask, row)
+                row += 1
+                if token is not None:
+                    matcher.accept_token(token)
+            matcher.rollback(len(tokens))
         return GrammarBitmask(request_ids=request_ids, bitmask=bitmask)
+
+    def num_valid(self, request_id: str, drafts: list[int]) -> int:
+        """How many of ``drafts`` the request's grammar accepts in a row (all, for an unconstrained one)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return len(drafts)
+        accepted = 0
+        while accepted < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[accepted]):
+            accepted += 1
+        matcher.rollback(accepted)
+        return accepted
 
     def verdict(self, request: Request, token_id: int) -> RequestStatus | None:
         """Feed an accepted token to the request's matcher, if it has one: stopped once the grammar

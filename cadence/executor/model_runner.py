@@ -156,9 +156,10 @@ class ModelRunner:
             rows = [row for state, drafts in zip(inputs.sampled_states, inputs.drafts, strict=True)
                     for row in (state.draft_rows(drafts) if drafts else [state.sampling_row()])]
             logits = logits[:len(rows)]
-            if scheduler_output.grammar_bitmask is not None:  # constrained requests never draft: one row each
-                apply_grammar_bitmask(logits, [s.request_id for s in inputs.sampled_states],
-                                      scheduler_output.grammar_bitmask)
+            if scheduler_output.grammar_bitmask is not None:
+                row_ids = [state.request_id for state, drafts in zip(inputs.sampled_states, inputs.drafts, strict=True)
+                           for _ in range(len(drafts) + 1)]
+                apply_grammar_bitmask(logits, row_ids, scheduler_output.grammar_bitmask)
             sampled = self.sampler(logits, rows)
         verified = verify(inputs.sampled_states, inputs.drafts, sampled)
         return ModelRunnerOutput(

@@ -106,12 +106,19 @@ class Sampler:
 def apply_grammar_bitmask(logits: torch.Tensor, row_ids: Sequence[str], grammar: GrammarBitmask) -> None:
     """Set to -inf, in place, each constrained row's tokens that its grammar forbids.
 
-    ``logits[i]`` belongs to request ``row_ids[i]``; every request of ``grammar`` must be among them.
+    ``logits[i]`` belongs to request ``row_ids[i]``; every request of ``grammar`` must be among them,
+    with as many rows (a request verifying drafts has one per position, in order).
     """
     import xgrammar  # present whenever a bitmask is: the scheduler made it with xgrammar
 
-    index = {request_id: i for i, request_id in enumerate(row_ids)}
-    rows = [index[request_id] for request_id in grammar.request_ids]
+    index: dict[str, list[int]] = {}
+    for i, request_id in enumerate(row_ids):
+        index.setdefault(request_id, []).append(i)
+    taken: dict[str, int] = {}
+    rows = []
+    for request_id in grammar.request_ids:
+        nth = taken[request_id] = taken.get(request_id, -1) + 1
+        rows.append(index[request_id][nth])
     bitmask = grammar.bitmask.to(logits.device, non_blocking=True)
     if rows != list(range(logits.shape[0])):
         # xgrammar's indices select rows of the logits and of the bitmask alike: align the bitmask.

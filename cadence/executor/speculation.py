@@ -74,10 +74,9 @@ def verify(states: Sequence[DraftingState], drafts: Sequence[list[int]], sampled
 
 
 class Drafter:
-    """Proposes each sampled request's drafts for the next step (the scheduler decides how many run).
-
-    A constrained request never drafts (its grammar would have to check every draft); a batch of
-    more than ``disable_by_batch_size`` requests drafts nothing, as the scheduler then verifies none.
+    """Proposes each sampled request's drafts for the next step (the scheduler decides how many run,
+    and cuts a constrained request's at the first its grammar refuses). A batch of more than
+    ``disable_by_batch_size`` requests drafts nothing, as the scheduler then verifies none.
     """
 
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -88,5 +87,4 @@ class Drafter:
     def propose(self, states: Sequence[DraftingState]) -> list[list[int]]:
         if len(states) > self.max_batch:
             return [[] for _ in states]
-        return [[] if state.sampling_params.structured_outputs is not None
-                else self.proposer.propose(state.prompt_token_ids + state.output_token_ids) for state in states]
+        return [self.proposer.propose(state.prompt_token_ids + state.output_token_ids) for state in states]

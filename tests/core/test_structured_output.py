@@ -103,6 +103,17 @@ def test_the_bitmask_masks_exactly_the_constrained_rows_by_request_id() -> None:
     assert torch.equal(logits[[1, 3]], before[[1, 3]])
 
 
+def test_a_request_verifying_drafts_has_a_bitmask_row_per_position() -> None:
+    vocab = 70
+    logits = torch.randn(4, vocab)
+    before = logits.clone()
+    grammar = GrammarBitmask(request_ids=["b", "b", "b"], bitmask=packed([[1], [2, 3], [4]], vocab))
+    apply_grammar_bitmask(logits, ["a", "b", "b", "b"], grammar)
+    for row, allowed in [(1, [1]), (2, [2, 3]), (3, [4])]:
+        assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == allowed
+    assert torch.equal(logits[0], before[0])
+
+
 def test_a_step_with_a_bitmask_survives_the_transport_codec() -> None:
     bitmask = xgrammar.allocate_token_bitmask(2, 100)
     bitmask[1, 0] = 5

@@ -7,6 +7,7 @@ unseeded sampling keeps its distribution."""
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from cadence import LLM, SamplingParams
 from cadence.config import ConfigError
 from cadence.executor.ngram_proposer import NgramProposer
 from cadence.messages import SpecDecodeStats
+from cadence.sampling_params import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "disable_by_batch_size": 256}
@@ -149,6 +151,19 @@ def test_unseeded_sampling_keeps_the_distribution(plain: LLM, spec: LLM) -> None
     table = [[counts[t] for t in common] + [600 - sum(counts[t] for t in common)]
              for counts in (spec_second, plain_second)]
     assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_constrained_requests_draft_within_their_grammar(plain: LLM, spec: LLM) -> None:
+    """Drafts are cut at the first token the grammar refuses, and each verified position is masked
+    by the grammar after the drafts before it: the same tokens as without speculation, all matching."""
+    before = spec_stats(spec)
+    pattern = r"(ab|cd|ef)( (ab|cd|ef)){3,40}"
+    params = SamplingParams(temperature=0, max_tokens=160, structured_outputs=StructuredOutputsParams(regex=pattern))
+    batch = prompts(6, seed=7)
+    got = generate(spec, batch, params)
+    assert got == generate(plain, batch, params)
+    assert all(re.fullmatch(pattern, text) and finish == "stop" for [(_, text, finish, _)] in got)
+    assert_drafts_were_accepted_and_rejected(spec, before)
 
 
 def test_a_bad_speculative_config_is_refused() -> None:

@@ -1,5 +1,5 @@
 """The worker's side of speculative decoding: the n-gram proposer, verification of a step's drafts,
-and the drafter's rules (no drafts for constrained requests or large batches)."""
+and the drafter's rule (no drafts for a large batch)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from cadence.executor.ngram_proposer import NgramProposer
 from cadence.executor.sampler import SamplerOutput
 from cadence.executor.speculation import Drafter, verify
 from cadence.messages import TokenLogprobs
-from cadence.sampling_params import SamplingParams, StructuredOutputsParams
+from cadence.sampling_params import SamplingParams
 
 
 def test_the_longest_suffix_match_wins_and_its_latest_occurrence() -> None:
@@ -59,9 +59,8 @@ def test_verify_accepts_up_to_the_first_disagreement_and_takes_back_the_rest() -
     assert out.logprobs == [logprob(t) for t in (7, 8, 9, 1, 2, 3)]
 
 
-def test_the_drafter_skips_constrained_requests_and_large_batches() -> None:
+def test_the_drafter_drafts_nothing_for_a_large_batch() -> None:
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, disable_by_batch_size=2))
-    free = State(SamplingParams(), [4, 5, 6, 4])
-    json = State(SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"})), [4, 5, 6, 4])
-    assert drafter.propose([free, json]) == [[5, 6], []]
-    assert drafter.propose([free, free, free]) == [[], [], []]
+    state = State(SamplingParams(), [4, 5, 6, 4])
+    assert drafter.propose([state, state]) == [[5, 6], [5, 6]]
+    assert drafter.propose([state, state, state]) == [[], [], []]
