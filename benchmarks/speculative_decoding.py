@@ -10,7 +10,8 @@ other, the same requests; a warm-up request first):
 - **batch**: 64 requests at once, random prompts (W1's shape; speculation must turn itself down
   where a large batch makes verification cost throughput).
 
-Prints output tokens/s of each, the ratio, and the acceptance counts. A benchmark, never a test:
+Each engine runs in a process of its own, off and on alternating ``--repeats`` times; prints the
+median output tokens/s of each, the ratio, and the acceptance counts. A benchmark, never a test:
 
     python benchmarks/speculative_decoding.py [--quantization none --dtype bfloat16 --num-threads 2]
 """
@@ -20,6 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,15 +60,8 @@ def spec_stats(llm: LLM) -> SpecDecodeStats | None:
     return None if speculation is None else speculation.stats()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--quantization", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 8}')
-    parser.add_argument("--output-json", default=None)
-    ns = parser.parse_args()
+def measure(ns: argparse.Namespace, spec: str | None) -> dict[str, dict[str, Any]]:
+    """Every workload on one engine (``spec``: its speculative config, None for off)."""
     rng = random.Random(0)
     randoms = [[rng.randrange(1000, 40000) for _ in range(256)] for _ in range(4 + 64 + 1)]
     workloads = [  # name, prompts, params, one at a time, chat
@@ -73,28 +70,56 @@ def main() -> None:
         ("random", randoms[:4], SamplingParams(temperature=1.0, seed=0, max_tokens=128, ignore_eos=True), True, False),
         ("batch", randoms[4:68], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), False, False),
     ]
-    results: dict[str, dict[str, Any]] = {name: {} for name, *_ in workloads}
-    for label, spec in (("off", None), ("on", ns.speculative_config)):
-        llm = LLM(model=ns.model, quantization=ns.quantization, dtype=ns.dtype, num_threads=ns.num_threads,
-                  speculative_config=spec, enable_prefix_caching=False)
-        llm.generate([randoms[-1]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
-        for name, prompts, params, single, chat in workloads:
-            before = spec_stats(llm)
-            seconds, tokens = run(llm, prompts, params, single, chat)
-            after = spec_stats(llm)
-            entry = results[name][label] = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
-            if before is not None and after is not None:
-                entry["drafted"] = after.num_draft_tokens - before.num_draft_tokens
-                entry["accepted"] = after.num_accepted_tokens - before.num_accepted_tokens
-                entry["verifications"] = after.num_drafts - before.num_drafts
-        llm.shutdown()
+    llm = LLM(model=ns.model, quantization=ns.quantization, dtype=ns.dtype, num_threads=ns.num_threads,
+              speculative_config=spec, enable_prefix_caching=False)
+    llm.generate([randoms[-1]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    results = {}
+    for name, prompts, params, single, chat in workloads:
+        before = spec_stats(llm)
+        seconds, tokens = run(llm, prompts, params, single, chat)
+        after = spec_stats(llm)
+        entry = results[name] = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+        if before is not None and after is not None:
+            entry["drafted"] = after.num_draft_tokens - before.num_draft_tokens
+            entry["accepted"] = after.num_accepted_tokens - before.num_accepted_tokens
+            entry["verifications"] = after.num_drafts - before.num_drafts
+    llm.shutdown()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 8}')
+    parser.add_argument("--repeats", type=int, default=3, help="engine pairs, off and on alternating")
+    parser.add_argument("--only", choices=["off", "on"], help=argparse.SUPPRESS)  # one engine, in a child process
+    parser.add_argument("--output-json", default=None)
+    ns = parser.parse_args()
+    if ns.only is not None:
+        print(json.dumps(measure(ns, None if ns.only == "off" else ns.speculative_config)))
+        return
+    # Each engine in a process of its own, off and on alternating: the machine drifts by 5-10% between
+    # minutes, and an engine that has stopped can still hold the cores for a while.
+    runs: dict[str, list[dict[str, dict[str, Any]]]] = {"off": [], "on": []}
+    for _ in range(ns.repeats):
+        for label in ("off", "on"):
+            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", label],
+                                   check=True, capture_output=True, text=True)
+            runs[label].append(json.loads(child.stdout.strip().splitlines()[-1]))
     print(f"{'workload':8} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7} {'drafted':>8} {'accepted':>9}")
-    for name, runs in results.items():
-        off, on = runs["off"], runs["on"]
-        print(f"{name:8} {off['tok_s']:10.1f} {on['tok_s']:10.1f} {on['tok_s'] / off['tok_s']:7.2f} "
-              f"{on.get('drafted', 0):8d} {on.get('accepted', 0):9d}")
+    summary = {}
+    for name in runs["off"][0]:
+        off = statistics.median(r[name]["tok_s"] for r in runs["off"])
+        on = statistics.median(r[name]["tok_s"] for r in runs["on"])
+        drafted = sum(r[name].get("drafted", 0) for r in runs["on"]) // ns.repeats
+        accepted = sum(r[name].get("accepted", 0) for r in runs["on"]) // ns.repeats
+        summary[name] = {"off_tok_s": off, "on_tok_s": on, "ratio": on / off, "drafted": drafted, "accepted": accepted}
+        print(f"{name:8} {off:10.1f} {on:10.1f} {on / off:7.2f} {drafted:8d} {accepted:9d}")
     if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps(results, indent=2))
+        Path(ns.output_json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ are a good guess for what follows now. The draft is checked by the target model 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -28,12 +27,18 @@ class NgramProposer:
         if length <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        # One vectorised compare of every earlier window per n: tens of microseconds at 2k tokens.
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = tokens[length - n:]
-            windows = sliding_window_view(tokens[:length - 1], n)  # a match must be followed by a token
-            matches = np.flatnonzero((windows == suffix).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n  # the latest occurrence: the nearest context
-                return token_ids[start:start + self.num_tokens]
-        return []
+        # Where the last token occurred before (followed by a token): the only places a suffix can
+        # match. One vectorised compare, then a few candidates: tens of microseconds at 2k tokens.
+        ends = np.flatnonzero(tokens[:length - 1] == tokens[-1])
+        best_n, best_end = 0, -1
+        for end in ends[::-1]:  # latest first: of equally long matches, the nearest context wins
+            n = 1
+            while n < self.max_n and n <= end and tokens[end - n] == tokens[length - 1 - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_end = n, int(end)
+                if n == self.max_n:
+                    break
+        if best_n < self.min_n:
+            return []
+        return token_ids[best_end + 1:best_end + 1 + self.num_tokens]

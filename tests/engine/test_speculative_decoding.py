@@ -125,6 +125,17 @@ def test_preemption_and_prefix_caching_keep_the_output(model: str, plain: LLM) -
     small.shutdown()
 
 
+def test_tensor_parallel_ranks_verify_alike(model: str, plain: LLM) -> None:
+    """Two ranks (mp workers): each samples the verification rows from rank 0's broadcast tokens and
+    drafts the same, so both keep the same state."""
+    tp = LLM(model=model, dtype="float32", tensor_parallel_size=2, speculative_config=NGRAM)
+    batch = prompts(4, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert generate(tp, batch, params) == generate(plain, batch, params)
+    assert spec_stats(tp).num_accepted_tokens > 0
+    tp.shutdown()
+
+
 def test_unseeded_sampling_keeps_the_distribution(plain: LLM, spec: LLM) -> None:
     """600 unseeded samples with and without speculation: how often the second token is the first
     draft (the acceptance event, which a wrong verification skews) and the second token's own

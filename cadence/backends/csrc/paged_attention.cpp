@@ -201,6 +201,35 @@ class Scratch {
   std::unique_ptr<float, Free> arena_;
 };
 
+// r[i][j] -> r[j][i] in registers: pairs of rows interleaved by 32 bits, then by 64, then 128-bit
+// lanes gathered (a few dozen shuffles where 256 scalar stores did it, which cost a short tile, such
+// as a decode verifying speculative drafts, more than its arithmetic).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m512 u[16];  // u[4i + k]: in 128-bit lane L, rows 4i..4i+3 of column 4L + k
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 even_lo = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), odd_lo = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+    const __m512 even_hi = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 odd_hi = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(even_lo, even_hi, 0x88);
+    r[k + 8] = _mm512_shuffle_f32x4(even_lo, even_hi, 0xDD);
+    r[k + 4] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88);
+    r[k + 12] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xDD);
+  }
+}
+
 // acc[0:16C] += sum_t probs[t] * values[t][0:16C] over n rows of fp32 values, accumulators in registers.
 template <int C>
 void accumulate(float* acc, const float* probs, const float* values, int64_t n) {
@@ -236,16 +265,16 @@ void attend_tile(const Shape s, Scratch& w, int64_t rows, int64_t first_len, con
       const int64_t in_block = first % s.block_size;
       const int64_t n = std::min({int64_t{16}, s.block_size - in_block, longest - first});
       const T* src = (pass == 0 ? keys : values) + blocks[first / s.block_size] * block_elems + in_block * dim;
-      for (int64_t t = 0; t < n; ++t) {
+      if (pass == 1) {
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t c = 0; c < s.chunks; ++c) _mm512_storeu_ps(w.values + t * dim + c * 16, load16(src + t * dim + c * 16));
+        }
+      } else {
         for (int64_t c = 0; c < s.chunks; ++c) {
-          const __m512 v = load16(src + t * dim + c * 16);
-          if (pass == 1) {
-            _mm512_storeu_ps(w.values + t * dim + c * 16, v);
-          } else {
-            alignas(64) float lane[16];
-            _mm512_store_ps(lane, v);
-            for (int i = 0; i < 16; ++i) w.keys_t[(c * 16 + i) * 16 + t] = lane[i];
-          }
+          __m512 rows[16];
+          for (int64_t t = 0; t < 16; ++t) rows[t] = t < n ? load16(src + t * dim + c * 16) : _mm512_setzero_ps();
+          transpose16(rows);
+          for (int i = 0; i < 16; ++i) _mm512_store_ps(w.keys_t + (c * 16 + i) * 16, rows[i]);
         }
       }
       for (int64_t j = 0; j < queries; ++j) {
