@@ -164,8 +164,16 @@ def run_calibrate(ns: argparse.Namespace) -> int:
 
 def _serving_args(ns: argparse.Namespace) -> EngineArgs:
     """The engine options given, with ``serve``'s defaults for the rest: a simulation models a server,
-    and a calibration times the engine as it serves."""
-    return replace(engine_args_from(ns), usage_context="serving")
+    and a calibration times the engine as it serves.
+
+    :raises ValueError: for ``--speculative-config``: the simulated runner and the cost model know no
+        drafts yet (docs/speculative_decoding.md), and a calibration's step shapes would be wrong.
+    """
+    args = engine_args_from(ns)
+    if args.speculative_config is not None:
+        raise ValueError("cadence simulate does not model speculative decoding yet: drop --speculative-config "
+                         "(docs/speculative_decoding.md)")
+    return replace(args, usage_context="serving")
 
 
 def _calibrate(args: EngineArgs, seed: int, quick: bool) -> CostModel:
