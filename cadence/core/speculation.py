@@ -119,7 +119,7 @@ class SpecDecoding:
 
     def settle(self, request: Request, output: ModelRunnerOutput, index: int) -> list[int]:
         """The tokens ``request`` (``output``'s ``index``-th) emits: its accepted drafts, then its
-        sampled token. Takes back the rejected drafts' positions, counts, adapts its limit and keeps
+        sampled token. Takes back the rejected drafts' positions, counts, updates its acceptance estimate and keeps
         its next drafts."""
         drafts = request.drafts
         num_accepted = output.num_accepted_drafts[index] if output.num_accepted_drafts else 0
