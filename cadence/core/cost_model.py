@@ -1,7 +1,7 @@
 """The simulator's step-time model: a linear cost over what a step computes, fitted to real timings.
 
 ``step_time = const + prefill_tokens·c + decode_seqs·c + kv_tokens·c + prefill_attn·c + prefills·c
-+ sampled·c`` where, for one engine step,
++ sampled·c + draft_tokens·c`` where, for one engine step,
 
 - ``prefill_tokens``: tokens of requests given more than one token (linear layers, KV writes);
 - ``decode_seqs``: requests given exactly one token (the same layers, one row each);
@@ -10,7 +10,10 @@
   CPUs without AVX-512, pads every decode to the longest: a fit there averages the padding in);
 - ``prefill_attn``: query × key pairs of the prefills (``Σ new · context``), the quadratic part;
 - ``prefills``: requests given more than one token (one attention call per layer each);
-- ``sampled``: requests that reach the end of their known tokens (LM head rows and sampling).
+- ``sampled``: requests that reach the end of their known tokens (LM head rows and sampling);
+- ``draft_tokens``: speculative decoding's drafted tokens verified with the decodes (a decode that
+  verifies ``k`` drafts counts as a decode plus ``k`` of these: more rows of every layer, a short
+  attention tile). A fit calibrated without speculation has none, and prices them at 0.
 
 ``const`` holds the fixed per-step cost: input preparation, the engine loop, actor messages.
 Coefficients are seconds per unit, fitted by least squares with non-negative coefficients on
@@ -29,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn", "prefills", "sampled")
+FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn", "prefills", "sampled",
+            "draft_tokens")
 _FORMAT = "cadence-cost-model"
 _REWEIGHTS = 8
 # A step far off the fit was slowed by something else on the machine (or was a one-off, like a
@@ -50,6 +54,9 @@ DEFAULT_COEFFICIENTS: dict[str, float] = {
     "prefill_attn": 1.02e-6,
     "prefills": 3.70e-3,
     "sampled": 0.0,
+    # Not from that fit: the marginal cost of a verified draft on the same model and machine, measured
+    # with benchmarks/speculative_decoding.py's engine (a step of 1, 5 and 9 rows: 4.5, 9.5, 14 ms).
+    "draft_tokens": 1.2e-3,
 }
 DEFAULT_METADATA: dict[str, Any] = {
     "model": "SmolLM2-135M-Instruct.Q4_1", "dtype": "bfloat16", "quantization": "gguf", "attention_backend": "sdpa",
@@ -69,25 +76,27 @@ class StepShape:
     prefill_attn: int = 0
     prefills: int = 0
     sampled: int = 0
+    draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.prefill_tokens + self.decode_seqs
+        return self.prefill_tokens + self.decode_seqs + self.draft_tokens
 
     def features(self) -> list[float]:
         """Values in :data:`FEATURES` order (``const`` is 1)."""
         return [1.0, self.prefill_tokens, self.decode_seqs, self.kv_tokens, self.prefill_attn, self.prefills,
-                self.sampled]
+                self.sampled, self.draft_tokens]
 
 
-def step_shape(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
+def step_shape(chunks: Iterable[tuple[int, int, bool, int]]) -> StepShape:
     """The shape of a step from each request's part in it: (tokens scheduled, its position after
-    them, whether it samples a token)."""
-    prefill_tokens = decode_seqs = prefills = prefill_attn = sampled = kv_tokens = 0
-    for num, end, samples in chunks:
-        if num == 1:
+    them, whether it samples a token, how many of those tokens are drafts it verifies)."""
+    prefill_tokens = decode_seqs = prefills = prefill_attn = sampled = kv_tokens = draft_tokens = 0
+    for num, end, samples, drafts in chunks:
+        if num - drafts == 1:
             decode_seqs += 1
-            kv_tokens += end
+            kv_tokens += end - drafts
+            draft_tokens += drafts
         else:
             prefills += 1
             prefill_tokens += num
@@ -95,7 +104,7 @@ def step_shape(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
         sampled += samples
     return StepShape(num_seqs=decode_seqs + prefills, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs,
                      kv_tokens=kv_tokens, prefill_attn=prefill_attn, prefills=prefills,
-                     sampled=sampled)
+                     sampled=sampled, draft_tokens=draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,7 @@ class CostModel:
     def step_time(self, shape: StepShape) -> float:
         c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
         return (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_seqs + c[3] * shape.kv_tokens
-                + c[4] * shape.prefill_attn + c[5] * shape.prefills + c[6] * shape.sampled)
+                + c[4] * shape.prefill_attn + c[5] * shape.prefills + c[6] * shape.sampled + c[7] * shape.draft_tokens)
 
     # ---- files ---------------------------------------------------------------------------------
 

@@ -80,6 +80,6 @@ class StepPlan:
         chunks = []
         for request_id, num in self.scheduled.items():
             request = requests[request_id]
-            end = request.num_computed_tokens + num
-            chunks.append((num, end, end == request.num_tokens))
+            end, drafts = request.num_computed_tokens + num, self.drafts.get(request_id, 0)
+            chunks.append((num, end, end == request.num_tokens + drafts, drafts))
         return step_shape(chunks)

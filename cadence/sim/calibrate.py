@@ -140,6 +140,7 @@ class _TimingExecutor:
         start = time.perf_counter()
         result = await self.executor.run_step(out)
         self.steps.append(TimedStep(self.phase, start, time.perf_counter(), shape))
+        self.tracker.settle(out, result)
         return result
 
     async def watch_workers(self) -> None:

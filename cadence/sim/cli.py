@@ -83,6 +83,9 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput: ttft, tpot, e2el in milliseconds, e.g. ttft:500 tpot:50")
     g.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles to report")
+    g.add_argument("--draft-acceptance", type=float, default=0.7,
+                   help="with --speculative-config: the chance that each drafted token is accepted (until the "
+                        "first rejection) in the simulated verification")
     g.add_argument("--engines", type=int, default=1,
                    help="simulate a fleet of this many engine cores behind --router (one virtual clock)")
     g.add_argument("--output-dir", default="sim-results", help="folder for results.json and plots")
@@ -136,7 +139,8 @@ def run_simulate(ns: argparse.Namespace) -> int:
     for label, name, options in specs:
         result = simulate(workload, limits, name, cost_model, ns.seed, policy_options=options, label=label,
                           trace_scheduling=_trace_path(config.scheduler.trace_scheduling, label, len(specs)),
-                          engines=ns.engines, router=config.parallel.router)
+                          engines=ns.engines, router=config.parallel.router, speculative=config.speculative,
+                          draft_acceptance=ns.draft_acceptance)
         print(f"{label}: {result.num_steps} steps, {result.end_time:.1f} s simulated in "
               f"{result.wall_time_s:.2f} s", file=sys.stderr)
         results.append(result)
@@ -166,14 +170,8 @@ def _serving_args(ns: argparse.Namespace) -> EngineArgs:
     """The engine options given, with ``serve``'s defaults for the rest: a simulation models a server,
     and a calibration times the engine as it serves.
 
-    :raises ValueError: for ``--speculative-config``: the simulated runner and the cost model know no
-        drafts yet (docs/speculative_decoding.md), and a calibration's step shapes would be wrong.
     """
-    args = engine_args_from(ns)
-    if args.speculative_config is not None:
-        raise ValueError("cadence simulate does not model speculative decoding yet: drop --speculative-config "
-                         "(docs/speculative_decoding.md)")
-    return replace(args, usage_context="serving")
+    return replace(engine_args_from(ns), usage_context="serving")
 
 
 def _calibrate(args: EngineArgs, seed: int, quick: bool) -> CostModel:

@@ -85,8 +85,9 @@ class SimEngine:
         self.busy_until = now + duration
         return self.busy_until
 
-    def finish(self, chunk_times: dict[str, list[float]], finish_reasons: dict[str, str]) -> None:
-        """Apply the running step's outputs at its end."""
+    def finish(self, chunk_times: dict[str, list[float]], num_tokens: dict[str, int],
+               finish_reasons: dict[str, str]) -> None:
+        """Apply the running step's outputs at its end (a chunk may carry several tokens: speculation)."""
         assert self._result is not None and self.busy_until is not None
         now, result = self.busy_until, self._result
         self.busy_until = self._result = None
@@ -94,6 +95,7 @@ class SimEngine:
         for output in self.scheduler.update_from_output(result):
             if output.new_token_ids:
                 chunk_times[output.request_id].append(now)
+                num_tokens[output.request_id] += len(output.new_token_ids)
             if output.finish_reason is not None:
                 finish_reasons[output.request_id] = output.finish_reason
 
@@ -115,6 +117,7 @@ class RunLoop:
         self.rng = np.random.default_rng(seed)
         self.max_steps = max_steps
         self.chunk_times: dict[str, list[float]] = {rid: [] for rid in self.ids}
+        self.num_tokens: dict[str, int] = dict.fromkeys(self.ids, 0)
         self.finish_reasons: dict[str, str] = {}
         self._params: dict[int, SamplingParams] = {}
 
@@ -135,7 +138,7 @@ class RunLoop:
                 now, rank = heapq.heappop(ends)
                 clock.time = now
                 engine = engines[rank]
-                engine.finish(self.chunk_times, self.finish_reasons)
+                engine.finish(self.chunk_times, self.num_tokens, self.finish_reasons)
                 self._tell_router(engine)
                 started = [engine] if engine.load else []
             else:
@@ -183,7 +186,7 @@ class RunLoop:
     def records(self) -> list[RequestRecord]:
         return [
             RequestRecord(arrival_time=spec.arrival_time, chunk_times=self.chunk_times[rid],
-                          prompt_tokens=spec.prompt_tokens, output_tokens=len(self.chunk_times[rid]),
+                          prompt_tokens=spec.prompt_tokens, output_tokens=self.num_tokens[rid],
                           success=self.finish_reasons.get(rid) in ("length", "stop"), request_id=rid,
                           user=spec.user, priority=spec.priority)
             for spec, rid in zip(self.specs, self.ids, strict=True)

@@ -3,17 +3,40 @@
 It keeps the same persistent batch the real :class:`~cadence.executor.model_runner.ModelRunner`
 keeps (new requests arrive whole, running ones as deltas; finished and preempted ones are
 dropped), but only counts: how many tokens each request knows and how many are computed. A
-request whose scheduled tokens reach the end of what it knows "samples" a token; what that step
-computed is summed into a :class:`~cadence.core.cost_model.StepShape` for the cost model.
+request whose scheduled tokens reach the end of what it knows (and of the drafts it verifies)
+"samples"; what that step computed is summed into a :class:`~cadence.core.cost_model.StepShape`
+for the cost model.
+
+With speculative decoding, the simulated worker proposes ``num_speculative_tokens`` drafts for every
+sampled request, and a verification accepts each draft in turn with probability
+``draft_acceptance`` (stopping at the first rejection), so the scheduler's speculation (its drafts,
+back-off and budget) runs as in the engine, on the acceptance rate one chooses to study.
 """
 
 from __future__ import annotations
+
+import random
+from dataclasses import dataclass
 
 from cadence.core.cost_model import CostModel, StepShape, step_shape
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 
 # Any id other than the requests' EOS would do: simulated requests end by length.
 SIMULATED_TOKEN_ID = 1
+
+
+@dataclass(frozen=True)
+class SimulatedDrafts:
+    """The simulated worker's speculation: drafts proposed per sampled request, and the chance that
+    each is accepted (independently, until the first rejection)."""
+
+    num_drafts: int
+    acceptance: float
+
+    def __post_init__(self) -> None:
+        if self.num_drafts < 1 or not 0.0 <= self.acceptance <= 1.0:
+            raise ValueError(f"need num_drafts >= 1 and an acceptance in [0, 1], got {self.num_drafts} and "
+                             f"{self.acceptance}")
 
 
 class ShapeTracker:
@@ -41,26 +64,50 @@ class ShapeTracker:
         chunks = []
         for request_id, num in out.num_scheduled_tokens.items():
             state = counts[request_id]
+            drafts = len(out.spec_token_ids.get(request_id, ()))
             end = state[1] + num
             state[1] = end
-            samples = end == state[0]
+            samples = end == state[0] + drafts
             if samples:
                 sampled.append(request_id)
-                state[0] = end + 1
-            chunks.append((num, end, samples))
+                state[0] = end + 1  # every draft accepted, until settle() says otherwise
+            chunks.append((num, end, samples, drafts))
         shape = step_shape(chunks)
         return shape, sampled
+
+    def settle(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Take back the positions of the drafts ``result`` rejected (speculative decoding)."""
+        if result.num_accepted_drafts is None:
+            return
+        for request_id, accepted in zip(result.request_ids, result.num_accepted_drafts, strict=True):
+            rejected = len(out.spec_token_ids.get(request_id, ())) - accepted
+            state = self._counts.get(request_id)
+            if rejected and state is not None:
+                state[0] -= rejected
+                state[1] -= rejected
 
 
 class SimulatedRunner:
     """Stands in for the worker: answers each step at once and says how long it would have taken."""
 
-    def __init__(self, cost_model: CostModel) -> None:
+    def __init__(self, cost_model: CostModel, drafts: SimulatedDrafts | None = None, seed: int = 0) -> None:
         self.cost_model = cost_model
         self.tracker = ShapeTracker()
+        self.drafts = drafts
+        self._rng = random.Random(seed)
 
     def execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, StepShape, float]:
         """The step's sampled tokens, its shape, and its modelled duration in seconds."""
         shape, sampled = self.tracker.step(out)
         result = ModelRunnerOutput(out.step_id, sampled, [SIMULATED_TOKEN_ID] * len(sampled))
+        if self.drafts is not None:
+            result.num_accepted_drafts = [self._accepted(len(out.spec_token_ids.get(r, ()))) for r in sampled]
+            result.draft_token_ids = [[SIMULATED_TOKEN_ID] * self.drafts.num_drafts for _ in sampled]
+            self.tracker.settle(out, result)
         return result, shape, self.cost_model.step_time(shape)
+
+    def _accepted(self, num_drafts: int) -> int:
+        accepted = 0
+        while accepted < num_drafts and self._rng.random() < self.drafts.acceptance:  # type: ignore[union-attr]
+            accepted += 1
+        return accepted

@@ -15,21 +15,24 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, TenantShare, compute_metrics, tenant_shares
-from cadence.config import SchedulerConfig
+from cadence.config import SchedulerConfig, SpeculativeConfig
 from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.scheduling_trace import SchedulingTrace, ranked_path
+from cadence.core.speculation import SpecDecoding
 from cadence.engine.routers.base import Router, RouterContext, load_router
 from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
+from cadence.messages import SpecDecodeStats
 from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.clock import Clock, VirtualClock
 from cadence.policies.loader import load_policy
 from cadence.sim.run_loop import RunLoop, SimEngine, StepHook, StepRecord
-from cadence.sim.runner import SimulatedRunner
+from cadence.sim.runner import SimulatedDrafts, SimulatedRunner
 from cadence.sim.workload import RequestSpec
 
 if TYPE_CHECKING:
@@ -120,6 +123,7 @@ class SimResult:
     cost_model: CostModel
     limits: EngineLimits
     finish_reasons: dict[str, str] = field(default_factory=dict)
+    spec_decode: SpecDecodeStats | None = None  # with speculation: every engine's counts summed
 
     @property
     def num_steps(self) -> int:
@@ -154,6 +158,7 @@ class SimResult:
             "tenants": [vars(t) for t in self.tenant_shares()],
             "simulated_time_s": self.end_time,
             "wall_time_s": self.wall_time_s,
+            **({} if self.spec_decode is None else {"spec_decode": msgspec.structs.asdict(self.spec_decode)}),
         }
 
 
@@ -171,6 +176,8 @@ def simulate(
     trace_scheduling: str | Path | None = None,
     engines: int = 1,
     router: str = "prefix-aware",
+    speculative: SpeculativeConfig | None = None,
+    draft_acceptance: float = 0.7,
 ) -> SimResult:
     """Run ``workload`` through the real scheduler under ``policy`` on a virtual clock.
 
@@ -189,8 +196,13 @@ def simulate(
     sequence of one per engine (heterogeneous machines), behind the data-parallel ``router``
     (an entry point in ``cadence.routers``, the real server's code) on one virtual clock.
 
-    :raises ValueError: for a request the engine would reject, an unknown policy or router, or a
-        policy object with several engines.
+    ``speculative`` turns speculative decoding on (docs/speculative_decoding.md): the scheduler drafts
+    and backs off as the engine's does, the simulated worker proposes ``num_speculative_tokens`` drafts
+    each step and a verification accepts each with probability ``draft_acceptance`` (up to the first
+    rejection); the cost model prices the drafts (its ``draft_tokens``).
+
+    :raises ValueError: for a request the engine would reject, an unknown policy or router, a
+        policy object with several engines, or speculation with a cost model that prices no drafts.
     :raises RuntimeError: if a scheduler stalls (nothing scheduled on an idle engine) or
         ``max_steps`` is exceeded.
     """
@@ -200,6 +212,10 @@ def simulate(
         raise ValueError(f"{engines} engine(s) need as many cost models, got {len(models)}")
     for spec in workload:
         limits.check(spec)
+    if speculative is not None and not all(m.coefficients.get("draft_tokens") for m in models):
+        raise ValueError("this cost model prices verified drafts at 0 (it was calibrated without speculative "
+                         "decoding): calibrate with --speculative-config, or use --cost-model builtin")
+    drafts = None if speculative is None else SimulatedDrafts(speculative.num_speculative_tokens, draft_acceptance)
     if not isinstance(policy, str) and engines > 1:
         raise ValueError("a fleet needs a policy name (each engine builds its own), not a policy object")
     clock = VirtualClock()
@@ -216,8 +232,9 @@ def simulate(
         path = None if trace_scheduling is None else ranked_path(trace_scheduling, rank, engines)
         trace = None if path is None else SchedulingTrace(path)
         scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, engine_policy,
-                              cost_model=model, trace=trace)
-        sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model), on_step))
+                              cost_model=model, trace=trace,
+                              speculation=None if speculative is None else SpecDecoding(speculative))
+        sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model, drafts, seed + rank), on_step))
     run = RunLoop(workload, limits.max_model_len, sim_engines, fleet, clock, seed, max_steps)
     started = time.perf_counter()
     try:
@@ -235,7 +252,15 @@ def simulate(
         cost_model=models[0],
         limits=limits,
         finish_reasons=run.finish_reasons,
+        spec_decode=None if speculative is None else _sum_spec_decode(sim_engines),
     )
+
+
+def _sum_spec_decode(engines: Sequence[SimEngine]) -> SpecDecodeStats:
+    stats = [e.scheduler.speculation.stats() for e in engines if e.scheduler.speculation is not None]
+    return SpecDecodeStats(sum(s.num_drafts for s in stats), sum(s.num_draft_tokens for s in stats),
+                           sum(s.num_accepted_tokens for s in stats), sum(s.num_emitted_tokens for s in stats),
+                           [sum(column) for column in zip(*(s.accepted_per_pos for s in stats), strict=True)])
 
 
 def router_of(name: str, engines: int, limits: EngineLimits, seed: int) -> Router | None:

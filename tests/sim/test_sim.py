@@ -207,10 +207,6 @@ def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(
         ns = _cli().parse_args(["simulate", "--model", folder, flag, "2", "--output-dir", str(tmp_path)])
         with pytest.raises(ValueError, match="engine cores of one rank each"):
             ns.run(ns)
-    for verb in (["simulate"], ["simulate", "calibrate"]):
-        ns = _cli().parse_args([*verb, "--model", folder, "--speculative-config", '{"method": "ngram"}'])
-        with pytest.raises(ValueError, match="does not model speculative decoding yet"):
-            ns.run(ns)
 
 
 def test_calibrate_verb_writes_a_cost_model_the_simulator_loads(

@@ -231,7 +231,7 @@ def test_fit_timed_steps_fits_the_cycles_and_says_how_they_were_measured(llm: LL
     model, quality = fit_timed_steps(llm, steps, wall_time_s=12.34)
     assert model.coefficients == pytest.approx({"const": 0.01, "prefill_tokens": 0.001, "decode_seqs": 0.002,
                                                 "kv_tokens": 0.0, "prefill_attn": 0.0, "prefills": 0.0,
-                                                "sampled": 0.0}, abs=1e-9)
+                                                "sampled": 0.0, "draft_tokens": 0.0}, abs=1e-9)
     assert quality.num_samples == len(shapes) - 1  # pairs: the last step has no next start
     meta = model.metadata
     assert meta["dtype"] == "float32" and meta["device"] == "cpu" and meta["tensor_parallel_size"] == 1

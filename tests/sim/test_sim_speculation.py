@@ -1,0 +1,103 @@
+"""Speculative decoding in the simulator: the tracker's shapes with drafts, the simulated worker's
+acceptance, and whole runs under the engine's own scheduler speculation (docs/speculative_decoding.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cadence.cli import build_parser as _cli
+from cadence.config import SpeculativeConfig
+from cadence.core.cost_model import CostModel, StepShape
+from cadence.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from cadence.sampling_params import SamplingParams
+from cadence.sim.runner import ShapeTracker, SimulatedDrafts, SimulatedRunner
+from cadence.sim.simulator import EngineLimits, simulate
+from cadence.sim.workload import RequestSpec
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4)
+
+
+def step(step_id: int, num: int, drafts: list[int], new: bool = False, computed: int = 0) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id=step_id,
+        new_requests=[NewRequestData("r", list(range(10)), 10, SamplingParams(), 0, [[1]], 0)] if new else [],
+        cached_requests=[] if new else [CachedRequestData("r", [[]], computed)],
+        num_scheduled_tokens={"r": num}, finished_request_ids=[], preempted_request_ids=[],
+        spec_token_ids={"r": drafts} if drafts else {})
+
+
+def test_a_verification_is_a_decode_plus_its_drafts_and_rejected_ones_are_taken_back() -> None:
+    tracker = ShapeTracker()
+    assert tracker.step(step(1, 10, [], new=True))[1] == ["r"]  # the prompt, then its first token
+    out = step(2, 4, [7, 7, 7], computed=10)
+    shape, sampled = tracker.step(out)  # token 10 and 3 drafts: positions 10..13
+    assert sampled == ["r"]
+    assert shape == StepShape(num_seqs=1, decode_seqs=1, kv_tokens=11, sampled=1, draft_tokens=3)
+    tracker.settle(out, ModelRunnerOutput(2, ["r"], [5], num_accepted_drafts=[1]))
+    # 13 tokens known (10 + first token + 1 accepted draft + the sampled one), 12 computed: a decode.
+    assert tracker.step(step(3, 1, [], computed=12)) == (
+        StepShape(num_seqs=1, decode_seqs=1, kv_tokens=13, sampled=1), ["r"])
+
+
+def test_the_simulated_worker_accepts_drafts_until_the_first_rejection() -> None:
+    for acceptance, expected in ((1.0, [3]), (0.0, [0])):
+        runner = SimulatedRunner(CostModel({"const": 0.01, "draft_tokens": 0.002}), SimulatedDrafts(4, acceptance))
+        runner.execute(step(1, 10, [], new=True))
+        result, shape, seconds = runner.execute(step(2, 4, [1, 1, 1], computed=10))
+        assert shape.draft_tokens == 3
+        assert result.num_accepted_drafts == expected and result.draft_token_ids == [[1, 1, 1, 1]]
+        assert seconds == pytest.approx(0.01 + 3 * 0.002)
+
+
+def run(speculative: SpeculativeConfig | None, acceptance: float = 0.7, output: int = 300):
+    workload = [RequestSpec(0.0, 64, output)]
+    return simulate(workload, EngineLimits(num_kv_blocks=64), cost_model=CostModel.default(),
+                    speculative=speculative, draft_acceptance=acceptance)
+
+
+def test_a_simulation_with_accepted_drafts_makes_every_token_in_fewer_steps() -> None:
+    plain, spec = run(None), run(SPEC, acceptance=0.9)
+    assert plain.records[0].output_tokens == spec.records[0].output_tokens == 300
+    assert spec.num_steps < 0.6 * plain.num_steps
+    assert spec.end_time < plain.end_time
+    stats = spec.spec_decode
+    assert stats is not None and stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens
+    assert stats.num_emitted_tokens == stats.num_accepted_tokens + stats.num_drafts
+    assert spec.summary()["spec_decode"]["num_accepted_tokens"] == stats.num_accepted_tokens
+
+
+def test_drafts_that_are_never_accepted_are_soon_not_verified() -> None:
+    spec = run(SPEC, acceptance=0.0)
+    stats = spec.spec_decode
+    assert spec.records[0].output_tokens == 300 and stats is not None and stats.num_accepted_tokens == 0
+    assert stats.num_drafts < 0.2 * spec.num_steps  # probes, every few steps
+
+
+def test_speculation_needs_a_cost_model_that_prices_drafts() -> None:
+    with pytest.raises(ValueError, match="prices verified drafts at 0"):
+        simulate([RequestSpec(0.0, 8, 4)], EngineLimits(num_kv_blocks=64), cost_model=CostModel.constant(0.01),
+                 speculative=SPEC)
+
+
+def test_a_calibration_with_speculation_prices_drafts_and_the_simulator_uses_it(
+        make_tiny_model: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real engine speculating on the tiny model (its greedy loops are drafted well) gives the
+    fit verification steps; ``simulate --speculative-config`` then runs on that fit."""
+    monkeypatch.setenv("CADENCE_COST_MODELS_DIR", str(tmp_path / "fits"))
+    folder, costs = str(make_tiny_model("llama")), tmp_path / "costs.json"
+    spec = '{"method": "ngram", "prompt_lookup_min": 1}'
+    ns = _cli().parse_args(["simulate", "calibrate", "--model", folder, "--dtype", "float32",
+                            "--num-kv-blocks", "512", "--quick", "--output", str(costs), "--speculative-config", spec])
+    assert ns.run(ns) == 0
+    assert CostModel.load(costs).coefficients.get("draft_tokens", 0) > 0
+    ns = _cli().parse_args(["simulate", "--model", folder, "--dtype", "float32", "--num-kv-blocks", "512",
+                            "--speculative-config", spec, "--draft-acceptance", "0.8", "--cost-model", str(costs),
+                            "--num-requests", "4", "--input-len", "16", "--output-len", "64",
+                            "--output-dir", str(tmp_path), "--no-plots"])
+    assert ns.run(ns) == 0
+    (result,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert result["total_output_tokens"] == 4 * 64 and result["spec_decode"]["num_accepted_tokens"] > 0
