@@ -79,6 +79,10 @@ class StepBudget:
             return 1 << 30  # prefill costs nothing in this model: only the token budget bounds it
         return int(n + 1e-9)  # a chunk that fits exactly, despite rounding
 
+    def draft_time(self, num: int) -> float:
+        """Seconds ``num`` drafted tokens verified with a decode add to a step (speculative decoding)."""
+        return self.model.coefficients.get("draft_tokens", 0.0) * num
+
     def chunk_time(self, num: int, start: int) -> float:
         """Seconds a ``num``-token chunk starting at ``start`` adds to a step."""
         c = self.model.coefficients
@@ -89,8 +93,9 @@ class StepBudget:
 # What the running fit learns. A serving workload's prompts are much alike, so chunk counts, query x
 # key pairs and tokens move together, and a fit of all three swings between them from one window to
 # the next (measured: the attention term 20x apart), which then mis-sizes chunks of other lengths.
-# Tokens alone carry the average attention cost of the prompts being served.
-ONLINE_FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens")
+# Tokens alone carry the average attention cost of the prompts being served. Drafted tokens (speculative
+# decoding) cost a step differently from prompt tokens, and are learnt apart.
+ONLINE_FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "draft_tokens")
 
 
 def refit(model: CostModel, samples: Collection[tuple[StepShape, float]]) -> CostModel:

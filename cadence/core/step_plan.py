@@ -63,12 +63,14 @@ class StepPlan:
 
     def add_drafts(self, request: Request, num: int, blocks: list[list[int]]) -> None:
         """``request``'s tokens, taken already, go on with ``num`` drafts held in ``blocks`` as well
-        (speculative decoding; per KV cache group)."""
+        (speculative decoding; per KV cache group). Their time comes out of what the prefills may take."""
         self.drafts[request.request_id] = num
         self.scheduled[request.request_id] += num
         for ids, more in zip(self.new_blocks[request.request_id], blocks, strict=True):
             ids.extend(more)
         self.budget -= num
+        if self.step_budget is not None:
+            self.time_left -= self.step_budget.draft_time(num)
 
     def drop(self, request: Request) -> None:
         self.budget += self.scheduled.pop(request.request_id, 0)

@@ -143,6 +143,23 @@ def test_a_plans_shape_counts_what_the_step_computes() -> None:
                                              prefill_attn=6 * 10 + 12 * 12, prefills=2, sampled=2)
 
 
+def test_drafts_verified_with_a_decode_take_their_time_from_the_prefills() -> None:
+    decode = _request("d", 8, 100)
+    decode.num_computed_tokens = 8
+    decode.append_output_token(7)
+    budget = StepBudget(0.05, CostModel({**LINEAR.coefficients, "draft_tokens": 0.003}))
+    plan = StepPlan(64, budget, [decode])
+    plan.take(decode, 1, [[]], 8)
+    plan.add_drafts(decode, 4, [[5]])
+    assert plan.time_left == pytest.approx(0.050 - 0.012 - 4 * 0.003)
+    assert (plan.budget, plan.scheduled, plan.new_blocks) == (64 - 5, {"d": 5}, {"d": [[5]]})
+    assert plan.shape({"d": decode}) == StepShape(num_seqs=1, decode_seqs=1, kv_tokens=9, sampled=1, draft_tokens=4)
+    truth = CostModel({"const": 0.01, "decode_seqs": 0.002, "draft_tokens": 0.0015})
+    samples = [(s, truth.step_time(s)) for s in (StepShape(num_seqs=d, decode_seqs=d, sampled=d, draft_tokens=k)
+                                                  for d in (1, 2, 4) for k in (0, 3, 8))]
+    assert refit(LINEAR, samples).coefficients["draft_tokens"] == pytest.approx(0.0015, rel=1e-6)
+
+
 def test_whole_prefill_policies_ignore_the_target() -> None:
     scheduler = _scheduler(target_ms=40, chunked=False)
     assert scheduler.step_budget is None
