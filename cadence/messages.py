@@ -7,6 +7,8 @@ garbage collector off these short-lived objects (none of them form reference cyc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 import torch
 
@@ -194,6 +196,13 @@ class SpecDecodeStats(_Message):
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # accepted drafts plus the token each verification samples
     accepted_per_pos: list[int] = msgspec.field(default_factory=list)  # accepted at draft position i
+
+    @classmethod
+    def total(cls, parts: Sequence[SpecDecodeStats]) -> SpecDecodeStats:
+        """Several engines' counts as one (all with the same ``num_speculative_tokens``)."""
+        return cls(sum(p.num_drafts for p in parts), sum(p.num_draft_tokens for p in parts),
+                   sum(p.num_accepted_tokens for p in parts), sum(p.num_emitted_tokens for p in parts),
+                   [sum(column) for column in zip(*(p.accepted_per_pos for p in parts), strict=True)])
 
 
 class KVCacheDelta(_Message):

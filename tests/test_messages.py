@@ -67,3 +67,8 @@ def test_sampling_params_are_validated_when_decoded() -> None:
     bad = msgspec.msgpack.encode({"temperature": -1.0})
     with pytest.raises(msgspec.ValidationError, match="temperature must be >= 0"):
         msgspec.msgpack.decode(bad, type=SamplingParams)
+
+
+def test_speculative_decoding_counts_of_several_engines_add_up() -> None:
+    parts = [m.SpecDecodeStats(4, 10, 6, 10, [3, 2, 1]), m.SpecDecodeStats(1, 3, 0, 1, [0, 0, 0])]
+    assert m.SpecDecodeStats.total(parts) == m.SpecDecodeStats(5, 13, 6, 11, [3, 2, 1])

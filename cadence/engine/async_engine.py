@@ -33,7 +33,7 @@ from cadence.engine.request_manager import RequestHandle
 from cadence.engine.routers.base import RouterContext, load_router, router_class
 from cadence.engine.zmq_client import ZmqCoreClient
 from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from cadence.messages import RequestOutput, SchedulerStats
+from cadence.messages import RequestOutput, SchedulerStats, SpecDecodeStats
 from cadence.models.loader import load_hf_config, load_tokenizer
 from cadence.runtime.actor import run_actors
 from cadence.sampling_params import SamplingParams
@@ -299,8 +299,9 @@ async def _wait_all_ready(clients: Sequence[ZmqCoreClient], timeout_s: float) ->
 
 
 def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
-    """Several engine cores' states as one: counts summed, KV cache usage weighted by pool size."""
+    """Several engine cores' states as one: counts and times summed, KV cache usage weighted by pool size."""
     usable = [s.num_blocks - 1 for s in stats]
+    spec = [s.spec_decode for s in stats if s.spec_decode is not None]
     return SchedulerStats(
         num_running=sum(s.num_running for s in stats),
         num_waiting=sum(s.num_waiting for s in stats),
@@ -310,4 +311,8 @@ def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
+        num_steps=sum(s.num_steps for s in stats),
+        step_time_s=sum(s.step_time_s for s in stats),
+        forward_time_s=sum(s.forward_time_s for s in stats),
+        spec_decode=SpecDecodeStats.total(spec) if spec else None,
     )

@@ -25,10 +25,16 @@ from cadence.messages import ModelRunnerOutput, SchedulerOutput
 SIMULATED_TOKEN_ID = 1
 
 
+# A request's own acceptance rate, from its ``extra_args`` (a trace line's): mixed workloads (code
+# edits beside chat) accept drafts at very different rates.
+ACCEPTANCE_ARG = "draft_acceptance"
+
+
 @dataclass(frozen=True)
 class SimulatedDrafts:
     """The simulated worker's speculation: drafts proposed per sampled request, and the chance that
-    each is accepted (independently, until the first rejection)."""
+    each is accepted (independently, until the first rejection), unless the request's
+    ``extra_args`` give its own (``draft_acceptance``)."""
 
     num_drafts: int
     acceptance: float
@@ -95,19 +101,28 @@ class SimulatedRunner:
         self.tracker = ShapeTracker()
         self.drafts = drafts
         self._rng = random.Random(seed)
+        self._acceptance: dict[str, float] = {}  # requests with their own rate
 
     def execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, StepShape, float]:
         """The step's sampled tokens, its shape, and its modelled duration in seconds."""
         shape, sampled = self.tracker.step(out)
         result = ModelRunnerOutput(out.step_id, sampled, [SIMULATED_TOKEN_ID] * len(sampled))
         if self.drafts is not None:
-            result.num_accepted_drafts = [self._accepted(len(out.spec_token_ids.get(r, ()))) for r in sampled]
+            for request_id in out.finished_request_ids:
+                self._acceptance.pop(request_id, None)
+            for new in out.new_requests:
+                rate = (new.sampling_params.extra_args or {}).get(ACCEPTANCE_ARG)
+                if rate is not None:
+                    self._acceptance[new.request_id] = float(rate)
+            result.num_accepted_drafts = [self._accepted(r, len(out.spec_token_ids.get(r, ()))) for r in sampled]
             result.draft_token_ids = [[SIMULATED_TOKEN_ID] * self.drafts.num_drafts for _ in sampled]
             self.tracker.settle(out, result)
         return result, shape, self.cost_model.step_time(shape)
 
-    def _accepted(self, num_drafts: int) -> int:
+    def _accepted(self, request_id: str, num_drafts: int) -> int:
+        assert self.drafts is not None
+        rate = self._acceptance.get(request_id, self.drafts.acceptance)
         accepted = 0
-        while accepted < num_drafts and self._rng.random() < self.drafts.acceptance:  # type: ignore[union-attr]
+        while accepted < num_drafts and self._rng.random() < rate:
             accepted += 1
         return accepted

@@ -32,7 +32,7 @@ from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.clock import Clock, VirtualClock
 from cadence.policies.loader import load_policy
 from cadence.sim.run_loop import RunLoop, SimEngine, StepHook, StepRecord
-from cadence.sim.runner import SimulatedDrafts, SimulatedRunner
+from cadence.sim.runner import ACCEPTANCE_ARG, SimulatedDrafts, SimulatedRunner
 from cadence.sim.workload import RequestSpec
 
 if TYPE_CHECKING:
@@ -199,7 +199,8 @@ def simulate(
     ``speculative`` turns speculative decoding on (docs/speculative_decoding.md): the scheduler drafts
     and backs off as the engine's does, the simulated worker proposes ``num_speculative_tokens`` drafts
     each step and a verification accepts each with probability ``draft_acceptance`` (up to the first
-    rejection); the cost model prices the drafts (its ``draft_tokens``).
+    rejection), or a request's own ``draft_acceptance`` extra arg; the cost model prices the drafts
+    (its ``draft_tokens``).
 
     :raises ValueError: for a request the engine would reject, an unknown policy or router, a
         policy object with several engines, or speculation with a cost model that prices no drafts.
@@ -216,6 +217,11 @@ def simulate(
         raise ValueError("this cost model prices verified drafts at 0 (it was calibrated without speculative "
                          "decoding): calibrate with --speculative-config, or use --cost-model builtin")
     drafts = None if speculative is None else SimulatedDrafts(speculative.num_speculative_tokens, draft_acceptance)
+    for spec in workload:
+        rate = (spec.extra_args or {}).get(ACCEPTANCE_ARG)
+        if rate is not None and not (isinstance(rate, int | float) and 0 <= rate <= 1):
+            raise ValueError(f"request {spec.request_id!r}: extra_args {ACCEPTANCE_ARG} must be a number in [0, 1], "
+                             f"got {rate!r}")
     if not isinstance(policy, str) and engines > 1:
         raise ValueError("a fleet needs a policy name (each engine builds its own), not a policy object")
     clock = VirtualClock()
@@ -252,15 +258,9 @@ def simulate(
         cost_model=models[0],
         limits=limits,
         finish_reasons=run.finish_reasons,
-        spec_decode=None if speculative is None else _sum_spec_decode(sim_engines),
+        spec_decode=None if speculative is None else SpecDecodeStats.total(
+            [e.scheduler.speculation.stats() for e in sim_engines if e.scheduler.speculation is not None]),
     )
-
-
-def _sum_spec_decode(engines: Sequence[SimEngine]) -> SpecDecodeStats:
-    stats = [e.scheduler.speculation.stats() for e in engines if e.scheduler.speculation is not None]
-    return SpecDecodeStats(sum(s.num_drafts for s in stats), sum(s.num_draft_tokens for s in stats),
-                           sum(s.num_accepted_tokens for s in stats), sum(s.num_emitted_tokens for s in stats),
-                           [sum(column) for column in zip(*(s.accepted_per_pos for s in stats), strict=True)])
 
 
 def router_of(name: str, engines: int, limits: EngineLimits, seed: int) -> Router | None:

@@ -101,3 +101,14 @@ def test_a_calibration_with_speculation_prices_drafts_and_the_simulator_uses_it(
     assert ns.run(ns) == 0
     (result,) = json.loads((tmp_path / "results.json").read_text())["results"]
     assert result["total_output_tokens"] == 4 * 64 and result["spec_decode"]["num_accepted_tokens"] > 0
+
+
+def test_a_requests_own_acceptance_rate_overrides_the_runs() -> None:
+    never, always = RequestSpec(0.0, 64, 200, extra_args={"draft_acceptance": 0.0}), RequestSpec(0.0, 64, 200)
+    for workload, accepted in (([never], False), ([always], True)):
+        result = simulate(workload, EngineLimits(num_kv_blocks=64), cost_model=CostModel.default(),
+                          speculative=SPEC, draft_acceptance=1.0)
+        assert result.spec_decode is not None and (result.spec_decode.num_accepted_tokens > 0) == accepted
+    with pytest.raises(ValueError, match="draft_acceptance must be a number in"):
+        simulate([RequestSpec(0.0, 8, 4, extra_args={"draft_acceptance": 2})], EngineLimits(num_kv_blocks=64),
+                 cost_model=CostModel.default(), speculative=SPEC)
