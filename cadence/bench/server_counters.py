@@ -45,7 +45,7 @@ class SpecDecodeFigures:
         return 1 + self.accepted_tokens / self.drafts
 
 
-_NAMES = {f.name for f in fields(ServerCounts)}
+_NAMES = [f.name for f in fields(ServerCounts)]  # in field order
 
 
 def parse_counts(text: str) -> ServerCounts | None:
@@ -80,19 +80,24 @@ class ServerCountersProbe:
     async def finish(self) -> None:
         self._after = await self._read()
 
+    def _delta(self) -> ServerCounts | None:
+        """What each counter rose by between :meth:`start` and :meth:`finish`; None without counters."""
+        before, after = self._before, self._after
+        if before is None or after is None:
+            return None
+        return ServerCounts(*(getattr(after, name) - getattr(before, name) for name in _NAMES))
+
     def hit_rate(self) -> float | None:
         """Hits over queries between :meth:`start` and :meth:`finish`; None without counters or lookups."""
-        before, after = self._before, self._after
-        if before is None or after is None or after.prefix_cache_queries <= before.prefix_cache_queries:
+        delta = self._delta()
+        if delta is None or delta.prefix_cache_queries <= 0:
             return None
-        return ((after.prefix_cache_hits - before.prefix_cache_hits)
-                / (after.prefix_cache_queries - before.prefix_cache_queries))
+        return delta.prefix_cache_hits / delta.prefix_cache_queries
 
     def spec_decode(self) -> SpecDecodeFigures | None:
         """Drafts verified between :meth:`start` and :meth:`finish`; None where none were."""
-        before, after = self._before, self._after
-        if before is None or after is None or after.spec_decode_num_draft_tokens <= before.spec_decode_num_draft_tokens:
+        delta = self._delta()
+        if delta is None or delta.spec_decode_num_draft_tokens <= 0:
             return None
-        return SpecDecodeFigures(int(after.spec_decode_num_drafts - before.spec_decode_num_drafts),
-                                 int(after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens),
-                                 int(after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens))
+        return SpecDecodeFigures(int(delta.spec_decode_num_drafts), int(delta.spec_decode_num_draft_tokens),
+                                 int(delta.spec_decode_num_accepted_tokens))

@@ -22,7 +22,6 @@ from cadence.config import SpeculativeConfig
 from cadence.executor.ngram_proposer import NgramProposer
 from cadence.executor.sampler import SamplerOutput
 from cadence.messages import TokenLogprobs
-from cadence.sampling_params import SamplingParams
 
 
 class DraftingState(Protocol):
@@ -30,8 +29,6 @@ class DraftingState(Protocol):
 
     num_computed_tokens: int
 
-    @property
-    def sampling_params(self) -> SamplingParams: ...
     @property
     def prompt_token_ids(self) -> list[int]: ...
     @property

@@ -168,9 +168,7 @@ def run_calibrate(ns: argparse.Namespace) -> int:
 
 def _serving_args(ns: argparse.Namespace) -> EngineArgs:
     """The engine options given, with ``serve``'s defaults for the rest: a simulation models a server,
-    and a calibration times the engine as it serves.
-
-    """
+    and a calibration times the engine as it serves."""
     return replace(engine_args_from(ns), usage_context="serving")
 
 
