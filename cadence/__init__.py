@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from cadence.lora_request import LoRARequest
 from cadence.messages import CompletionOutput, RequestOutput
 from cadence.sampling_params import SamplingParams
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from cadence.engine.llm import LLM
 
 __all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineDeadError", "EngineOverloadedError",
-           "InvalidRequestError", "RequestOutput", "SamplingParams"]
+           "InvalidRequestError", "LoRARequest", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

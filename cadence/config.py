@@ -93,6 +93,8 @@ class SchedulerConfig:
     policy_options: dict[str, str] = field(default_factory=dict)
     # A JSONL file for every scheduling decision about each request (core/scheduling_trace.py).
     trace_scheduling: str | None = None
+    # LoRA: the most adapters the running requests may use at once (0: LoRA off, no limit).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
@@ -155,6 +157,28 @@ class SpeculativeConfig:
             _require(key == "method" or (isinstance(item, int) and not isinstance(item, bool)),
                      f"--speculative-config: {key} must be an integer, got {item!r}")
         return cls(**value)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (``--enable-lora``, docs/lora.md): at most ``max_loras`` adapters in one step
+    (each worker keeps that many adapter slots in every adapted layer), each of rank at most
+    ``max_lora_rank``, and ``max_cpu_loras`` adapters kept loaded (least recently used goes first)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras}")
+        _require(1 <= self.max_lora_rank <= 512, f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+    @property
+    def num_cached(self) -> int:
+        """How many adapters a worker keeps loaded."""
+        return self.max_cpu_loras or self.max_loras
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -240,6 +264,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None  # None: one token per request per step
+    lora: LoRAConfig | None = None  # None: requests cannot name an adapter
 
     def for_data_parallel_rank(self, rank: int) -> EngineConfig:
         """This configuration for engine core ``rank`` of ``data_parallel_size``."""

@@ -16,6 +16,7 @@ from cadence.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -94,6 +95,12 @@ class EngineArgs:
     speculative_config: str | dict[str, Any] | None = field(default=None, metadata=_flag(
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' (docs/speculative_decoding.md)', metavar="JSON"))
+    enable_lora: bool = field(default=False, metadata=_flag(
+        "serve LoRA adapters: requests name one by its served name, LLM.generate takes lora_request (docs/lora.md)"))
+    max_loras: int = field(default=1, metadata=_flag("most LoRA adapters in one step"))
+    max_lora_rank: int = field(default=16, metadata=_flag("highest LoRA rank an adapter may have"))
+    max_cpu_loras: int | None = field(default=None, metadata=_flag(
+        "LoRA adapters each worker keeps loaded (default: --max-loras)"))
     device: str = field(default="cpu", metadata=_flag("torch device to run on"))
     num_threads: int | None = field(default=None, metadata=_flag("torch threads (default: all cores)"))
     attention_backend: str | None = field(default=None, metadata=_flag(
@@ -112,6 +119,7 @@ class EngineArgs:
         """Resolve the model (converting a GGUF once), refuse an architecture no installed package runs
         (``docs/models.md``), then build and validate the config tree."""
         speculative = SpeculativeConfig.parse(self.speculative_config)  # before a slow model conversion
+        lora = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None)
         path = resolve_model(self.model)  # a GGUF's architecture is checked before it is converted
         gguf_file = gguf_file_of(self.model)
         quantization = resolve_quantization(self.quantization, gguf_file, self.device)
@@ -147,6 +155,7 @@ class EngineArgs:
                 policy=self.policy,
                 policy_options=dict(self.policy_options),
                 trace_scheduling=self.trace_scheduling,
+                max_loras=lora.max_loras if lora is not None else 0,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     data_parallel_size=self.data_parallel_size, router=self.router,
@@ -154,6 +163,7 @@ class EngineArgs:
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
                                 attention_backend=self.attention_backend),
             speculative=speculative,
+            lora=lora,
         )
 
 

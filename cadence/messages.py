@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from cadence.lora_request import LoRARequest
 from cadence.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class EngineCoreRequest(_Message):
     priority: int = 0
     user: str | None = None
     client_id: str | None = None  # the caller's request id (traces name the request by it)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (docs/lora.md)
 
 
 class AbortRequests(_Message):
@@ -54,6 +56,7 @@ class NewRequestData(_Message):
     eos_token_id: int | None  # masked while fewer than min_tokens are out
     block_ids: list[list[int]]  # one table per KV cache group
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(_Message):

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from cadence.messages import TokenLogprobs
+from cadence.lora_request import LoRARequest
+from cadence.messages import NewRequestData, TokenLogprobs
 from cadence.sampling_params import ExtraArg, SamplingParams
 
 _NO_EXTRA_ARGS: Mapping[str, ExtraArg] = MappingProxyType({})
@@ -70,6 +71,10 @@ class RequestView(Protocol):
     def extra_args(self) -> Mapping[str, ExtraArg]:
         """The request's own fields for policies (``vllm_xargs`` over HTTP; empty when none)."""
         ...
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter it runs with (None: the base model); a policy may batch by it."""
+        ...
 
 
 @dataclass
@@ -101,6 +106,7 @@ class Request:
         priority: int = 0,
         user: str | None = None,
         client_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -110,6 +116,7 @@ class Request:
         self.priority = priority
         self.user = user
         self.client_id = client_id  # the caller's request id, for traces
+        self.lora_request = lora_request
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -137,6 +144,15 @@ class Request:
         return self.sampling_params.extra_args or _NO_EXTRA_ARGS
 
     @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Keys its prefix-cache blocks apart from those of other adapters and of the base model."""
+        return None if self.lora_request is None else self.lora_request.cache_salt
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
@@ -151,6 +167,13 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def new_request_data(self, block_ids: list[list[int]]) -> NewRequestData:
+        """The request whole, for a worker that does not hold it (new, or back from a preemption)."""
+        return NewRequestData(request_id=self.request_id, token_ids=list(self.all_token_ids),
+                              num_prompt_tokens=self.num_prompt_tokens, sampling_params=self.sampling_params,
+                              eos_token_id=self.eos_token_id, block_ids=block_ids,
+                              num_computed_tokens=self.num_computed_tokens, lora_request=self.lora_request)
 
     def add_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
         """Keep the logprobs of prompt tokens ``start`` on (computed in a step), but those kept

@@ -21,12 +21,14 @@ VOCAB = 3
 PICK = st.integers(0, 2**16)  # index into a sorted candidate list, modulo its length
 
 
-def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int) -> list[int]:
-    """The test's own hashes of the first ``num_blocks`` full blocks."""
+def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int, salt: str | None = None) -> list[int]:
+    """The test's own hashes of the first ``num_blocks`` full blocks (the first salted, as a LoRA
+    adapter's are)."""
     hashes: list[int] = []
     parent = None
     for i in range(num_blocks):
-        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        extra = (salt,) if i == 0 and salt else ()
+        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra)
         hashes.append(parent)
     return hashes
 
@@ -38,8 +40,9 @@ class KVAllocatorMachine(RuleBasedStateMachine):
         self.running: dict[str, FakeRequest] = {}
         self.waiting: list[FakeRequest] = []  # hold no blocks: never admitted, or preempted
         self.prompts: list[list[int]] = []
-        self.shadow: dict[int, int] = {}  # slot -> token the model last wrote there
-        self.block_tokens: dict[int, tuple[int, ...]] = {}  # hash -> tokens of that block
+        # slot -> (adapter salt, token) the model last wrote there: an adapter's KV is its own
+        self.shadow: dict[int, tuple[str | None, int]] = {}
+        self.block_tokens: dict[int, tuple[tuple[str | None, int], ...]] = {}  # hash -> what that block holds
         self.cached_from_events: set[int] = set()
         self.next_id = 0
 
@@ -71,11 +74,11 @@ class KVAllocatorMachine(RuleBasedStateMachine):
         start = req.num_computed_tokens
         assert len(table) * self.bs >= start + n
         for pos in range(start, start + n):
-            self.shadow[self.slot(table, pos)] = req.all_token_ids[pos]
+            self.shadow[self.slot(table, pos)] = (req.cache_salt, req.all_token_ids[pos])
         req.num_computed_tokens += n
         num_full = req.num_computed_tokens // self.bs
-        for i, h in enumerate(chain_hashes(req.all_token_ids, self.bs, num_full)):
-            self.block_tokens[h] = tuple(req.all_token_ids[i * self.bs:(i + 1) * self.bs])
+        for i, h in enumerate(chain_hashes(req.all_token_ids, self.bs, num_full, req.cache_salt)):
+            self.block_tokens[h] = tuple((req.cache_salt, t) for t in req.all_token_ids[i * self.bs:(i + 1) * self.bs])
 
     def check_hit(self, req: FakeRequest, hit_ids: list[int], num_hit: int) -> None:
         assert num_hit == len(hit_ids) * self.bs
@@ -83,13 +86,13 @@ class KVAllocatorMachine(RuleBasedStateMachine):
         assert 0 not in hit_ids
         for i, block_id in enumerate(hit_ids):
             for j in range(self.bs):
-                assert self.shadow.get(block_id * self.bs + j) == req.all_token_ids[i * self.bs + j]
+                assert self.shadow.get(block_id * self.bs + j) == (req.cache_salt, req.all_token_ids[i * self.bs + j])
         if not self.alloc.enable_prefix_caching:
             assert hit_ids == []
             return
         # The hit is the longest cached chain below the cap.
         cap = (req.num_tokens - 1) // self.bs
-        hashes = chain_hashes(req.all_token_ids, self.bs, min(cap, len(hit_ids) + 1))
+        hashes = chain_hashes(req.all_token_ids, self.bs, min(cap, len(hit_ids) + 1), req.cache_salt)
         cache = self.alloc._hash_to_block
         assert [cache[h].block_id for h in hashes[:len(hit_ids)]] == hit_ids
         assert len(hashes) == len(hit_ids) or hashes[-1] not in cache
@@ -151,13 +154,14 @@ class KVAllocatorMachine(RuleBasedStateMachine):
     # ---- rules ---------------------------------------------------------------------------
 
     @rule(base=PICK, prefix_len=st.integers(0, 16),
-          suffix=st.lists(st.integers(0, VOCAB - 1), max_size=12), chunk=st.integers(1, 12))
-    def add_request(self, base: int, prefix_len: int, suffix: list[int], chunk: int) -> None:
+          suffix=st.lists(st.integers(0, VOCAB - 1), max_size=12), chunk=st.integers(1, 12),
+          salt=st.sampled_from([None, None, "lora:1:a", "lora:2:b"]))
+    def add_request(self, base: int, prefix_len: int, suffix: list[int], chunk: int, salt: str | None) -> None:
         prompt = self.prompts[base % len(self.prompts)][:prefix_len] if self.prompts else []
         prompt = (prompt + suffix) or [0]
         self.prompts.append(prompt)
         self.next_id += 1
-        self.admit(FakeRequest(f"r{self.next_id}", prompt), chunk)
+        self.admit(FakeRequest(f"r{self.next_id}", prompt, cache_salt=salt), chunk)
 
     @precondition(lambda self: self.waiting)
     @rule(index=PICK, chunk=st.integers(1, 12))
@@ -199,7 +203,7 @@ class KVAllocatorMachine(RuleBasedStateMachine):
         table = self.alloc.block_ids(req.request_id)
         start = req.num_computed_tokens
         for pos, draft in enumerate(drafts, start + 1):
-            self.shadow[self.slot(table, pos)] = draft
+            self.shadow[self.slot(table, pos)] = (req.cache_salt, draft)
         accepted = data.draw(st.integers(0, len(drafts)), label="accepted")
         req.all_token_ids.extend(drafts[:accepted])
         self.compute(req, 1 + accepted)  # rewrites what the step wrote for these positions
@@ -242,7 +246,7 @@ class KVAllocatorMachine(RuleBasedStateMachine):
         for req in self.running.values():
             table = self.alloc.block_ids(req.request_id)
             for pos in range(req.num_computed_tokens):
-                assert self.shadow[self.slot(table, pos)] == req.all_token_ids[pos]
+                assert self.shadow[self.slot(table, pos)] == (req.cache_salt, req.all_token_ids[pos])
 
     @invariant()
     def capacity(self) -> None:
@@ -270,7 +274,8 @@ class KVAllocatorMachine(RuleBasedStateMachine):
                 assert len(tokens) == len(ev.block_hashes) * self.bs
                 parent = ev.parent_block_hash
                 for i, h in enumerate(ev.block_hashes):
-                    parent = hash_block(parent, tokens[i * self.bs:(i + 1) * self.bs])
+                    salted = parent is None and ev.cache_salt  # a sequence's first block
+                    parent = hash_block(parent, tokens[i * self.bs:(i + 1) * self.bs], (ev.cache_salt,) if salted else ())
                     assert parent == h
                     assert h not in self.cached_from_events
                     self.cached_from_events.add(h)

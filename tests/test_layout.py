@@ -16,10 +16,10 @@ MAX_LINES = 400
 # Lower numbers are higher floors: a module may import its own floor and higher ones.
 FLOORS = {
     "cadence.errors": 0, "cadence.sampling_params": 0, "cadence.messages": 0, "cadence.request": 0,
-    "cadence.config": 0, "cadence.startup_log": 0, "cadence.plugins": 0,
+    "cadence.config": 0, "cadence.startup_log": 0, "cadence.plugins": 0, "cadence.lora_request": 0,
     "cadence.runtime": 1,
     "cadence.policies": 2, "cadence.backends": 2, "cadence.distributed": 2, "cadence.models": 2,
-    "cadence.executor": 2, "cadence.engine_args": 2, "cadence.quantization": 2,
+    "cadence.executor": 2, "cadence.engine_args": 2, "cadence.quantization": 2, "cadence.lora": 2,
     "cadence.core": 3,
     "cadence.engine": 4,
     "cadence": 5, "cadence.api": 5, "cadence.sim": 5, "cadence.bench": 5,

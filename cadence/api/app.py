@@ -1,6 +1,6 @@
 """The aiohttp application: OpenAI's generation endpoints (completions, chat completions, responses)
-plus health, models, version, tokenizer and metrics routes, behind two middlewares (API key, errors
-in OpenAI's shape).
+plus health, models, version, tokenizer and metrics routes, and vLLM's LoRA load and unload routes
+when runtime updating is allowed, behind two middlewares (API key, errors in OpenAI's shape).
 
 ``build_app`` takes an engine that is already running; starting and stopping it, signals and
 graceful shutdown belong to ``server.py``.
@@ -21,15 +21,18 @@ import cadence
 from cadence.api.chat import create_chat_completion
 from cadence.api.completions import create_completion
 from cadence.api.errors import APIError, bad_request
+from cadence.api.lora_adapters import ServedAdapter
 from cadence.api.offload import in_thread
 from cadence.api.params import ChatTemplateArgs, chat_prompt
 from cadence.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
     encode,
 )
@@ -38,6 +41,7 @@ from cadence.api.response_store import RESPONSE_STORE, ResponseStore
 from cadence.api.responses import create_response
 from cadence.api.serving import APIState, ServerSettings, engine_dead
 from cadence.engine.async_engine import AsyncEngine
+from cadence.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,10 @@ Handler = Callable[[web.Request, APIState], Awaitable[web.StreamResponse]]
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
-    """The HTTP app over a running ``engine``; its state is at ``app[STATE]``."""
+    """The HTTP app over a running ``engine``; its state is at ``app[STATE]``.
+
+    :raises ValueError: for a ``--lora-modules`` adapter that does not fit the model.
+    """
     middlewares = [_errors] if settings.api_key is None else [_errors, _auth(settings.api_key)]
     # The handlers read bodies themselves (request_body.py); aiohttp's own limit, for anything else, is the same.
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_body_bytes)
@@ -72,6 +79,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
     app.router.add_get("/metrics", route(_metrics))
     app.router.add_post("/tokenize", route(_tokenize))
     app.router.add_post("/detokenize", route(_detokenize))
+    if settings.allow_runtime_lora_updating:  # otherwise unknown routes (404), as in vLLM
+        app.router.add_post("/v1/load_lora_adapter", route(_load_lora_adapter))
+        app.router.add_post("/v1/unload_lora_adapter", route(_unload_lora_adapter))
     return app
 
 
@@ -80,18 +90,52 @@ def _json(body: Struct) -> web.Response:
 
 
 def _card(state: APIState, name: str) -> ModelCard:
-    return ModelCard(id=name, created=state.created, max_model_len=state.limits.max_model_len)
+    return ModelCard(id=name, created=state.created, max_model_len=state.limits.max_model_len,
+                     root=state.engine.config.model.path)
+
+
+def _adapter_card(state: APIState, adapter: ServedAdapter) -> ModelCard:
+    lora = adapter.lora_request
+    return ModelCard(id=lora.lora_name, created=adapter.created, max_model_len=state.limits.max_model_len,
+                     root=lora.lora_path, parent=adapter.parent)
 
 
 async def _models(request: web.Request, state: APIState) -> web.StreamResponse:
-    return _json(ModelList(data=[_card(state, name) for name in state.settings.served_model_names]))
+    """The base model's cards (one per served name), then each LoRA adapter's."""
+    cards = [_card(state, name) for name in state.settings.served_model_names]
+    return _json(ModelList(data=cards + [_adapter_card(state, adapter) for adapter in state.adapters]))
 
 
 async def _model(request: web.Request, state: APIState) -> web.StreamResponse:
-    """One served name's card, or OpenAI's 404 ``model_not_found``."""
+    """One served name's (or LoRA adapter's) card, or OpenAI's 404 ``model_not_found``."""
     name = request.match_info["model_id"]
+    adapter = state.adapters.get(name)
+    if adapter is not None:
+        return _json(_adapter_card(state, adapter))
     state.check_model(name)
     return _json(_card(state, name))
+
+
+async def _load_lora_adapter(request: web.Request, state: APIState) -> web.StreamResponse:
+    """Serve another adapter (vLLM's endpoint and answers); 400 saying why when it cannot be."""
+    req = await state.read(request, LoadLoRAAdapterRequest)
+    try:
+        lora = state.adapters.add(req.lora_name, req.lora_path)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    logger.info("LoRA adapter %r (id %d) loaded from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def _unload_lora_adapter(request: web.Request, state: APIState) -> web.StreamResponse:
+    """Stop serving an adapter by name: new requests naming it get 404; those running finish with it."""
+    req = await state.read(request, UnloadLoRAAdapterRequest)
+    if state.adapters.remove(req.lora_name, req.lora_int_id) is None:
+        with_id = "" if req.lora_int_id is None else f" with lora_int_id {req.lora_int_id}"
+        raise APIError(404, f"The LoRA adapter `{req.lora_name}`{with_id} is not loaded", param="lora_name",
+                       code="model_not_found")
+    logger.info("LoRA adapter %r unloaded", req.lora_name)
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 async def _health(request: web.Request, state: APIState) -> web.StreamResponse:

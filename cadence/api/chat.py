@@ -35,7 +35,7 @@ from cadence.api.protocol import (
     encode,
 )
 from cadence.api.request_body import request_id_of
-from cadence.api.serving import APIState, Generation, prepare
+from cadence.api.serving import APIState, Generation, ServedModel, prepare
 from cadence.api.streaming import SSEStream, stream_response
 from cadence.api.tools import ToolMode, template_tools, tool_constraint, tool_mode
 from cadence.messages import RequestOutput
@@ -53,12 +53,12 @@ class _Choice:
 class _Chat:
     """One chat request, validated and ready to run (its prompt rendered, its constraint checked)."""
 
-    def __init__(self, state: APIState, req: ChatCompletionRequest, model: str, arrival: float,
+    def __init__(self, state: APIState, req: ChatCompletionRequest, model: ServedModel, arrival: float,
                  prompt_ids: list[int], constraint: StructuredOutputsParams | None, mode: ToolMode,
                  request_id: str) -> None:
         self.state = state
         self.req = req
-        self.model = model
+        self.model = model.name
         self.id = f"chatcmpl-{request_id}"
         self.created = int(time.time())
         self.prompt_ids = prompt_ids
@@ -73,7 +73,7 @@ class _Chat:
         tool_parser = state.tool_parser if mode.kind == "auto" else None
         params = with_markup_tokens(sampling_params(req, max_tokens=max_tokens, logprobs=self.top_logprobs,
                                                     constraint=constraint), tool_parser)
-        request = prepare(state, self.prompt_ids, params, prompt_param="messages")
+        request = prepare(state, self.prompt_ids, params, prompt_param="messages", lora_request=model.lora_request)
         self.n = params.n
         self.mode = mode
         self.generation = Generation(state, self.id, [request], priority=req.priority, user=req.user,

@@ -31,7 +31,7 @@ from cadence.api.protocol import (
     encode,
 )
 from cadence.api.request_body import request_id_of
-from cadence.api.serving import APIState, Generation, prepare
+from cadence.api.serving import APIState, Generation, ServedModel, prepare
 from cadence.api.streaming import SSEStream, stream_response
 from cadence.engine.admission import PreparedRequest
 from cadence.messages import RequestOutput
@@ -52,12 +52,13 @@ class _Completion:
     """One completions request, validated and ready to run (its prompts tokenized, its constraint
     checked)."""
 
-    def __init__(self, state: APIState, req: CompletionRequest, model: str, arrival: float,
+    def __init__(self, state: APIState, req: CompletionRequest, model: ServedModel, arrival: float,
                  prompts: list[tuple[list[int], str]], constraint: StructuredOutputsParams | None,
                  request_id: str) -> None:
         self.state = state
         self.req = req
-        self.model = model
+        self.model = model.name
+        self.lora_request = model.lora_request
         self.id = f"cmpl-{request_id}"
         self.created = int(time.time())
         self.constraint = constraint
@@ -78,7 +79,7 @@ class _Completion:
         params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=self.constraint)
         if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
             params = msgspec.structs.replace(params, prompt_logprobs=req.logprobs)
-        return prepare(self.state, prompt_ids, params, prompt_param="prompt")
+        return prepare(self.state, prompt_ids, params, prompt_param="prompt", lora_request=self.lora_request)
 
     def apply(self, prompt_index: int, delta: RequestOutput) -> list[CompletionChoice]:
         """Fold a delta in; the choices it adds to (text, logprobs, finish reason) as chunk choices."""

@@ -194,6 +194,20 @@ class DetokenizeRequest(Struct, kw_only=True):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(Struct, kw_only=True):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter folder ``lora_path`` as model ``lora_name``."""
+
+    lora_name: Annotated[str, Meta(min_length=1)]
+    lora_path: Annotated[str, Meta(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(Struct, kw_only=True):
+    """``POST /v1/unload_lora_adapter`` (vLLM's); with ``lora_int_id``, only if the name still has that id."""
+
+    lora_name: Annotated[str, Meta(min_length=1)]
+    lora_int_id: Annotated[int, Meta(ge=1, le=INT64_MAX)] | None = None
+
+
 # ---- responses -----------------------------------------------------------------------------
 
 
@@ -323,6 +337,9 @@ class ModelCard(Struct):
     max_model_len: int
     object: Literal["model"] = "model"
     owned_by: str = "cadence"
+    # vLLM's: a base model's path (parent null); a LoRA adapter's folder, and the base model's served name.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(Struct):

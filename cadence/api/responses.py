@@ -51,7 +51,7 @@ from cadence.api.responses_protocol import (
     ResponseUsage,
     TextConfig,
 )
-from cadence.api.serving import APIState, Generation, prepare
+from cadence.api.serving import APIState, Generation, ServedModel, prepare
 from cadence.api.tools import ToolMode, template_tools, tool_constraint, tool_mode
 from cadence.messages import RequestOutput
 from cadence.sampling_params import StructuredOutputsParams
@@ -63,11 +63,11 @@ _LOGPROBS = "message.output_text.logprobs"
 class _Run:
     """One response, validated and ready to run: its engine request, and its output as it arrives."""
 
-    def __init__(self, state: APIState, req: ResponsesRequest, model: str, prompt_ids: list[int],
+    def __init__(self, state: APIState, req: ResponsesRequest, model: ServedModel, prompt_ids: list[int],
                  constraint: StructuredOutputsParams | None, mode: ToolMode, request_id: str,
                  arrival: float) -> None:
         self.req = req
-        self.model = model
+        self.model = model.name
         # Made here, never taken from the client's X-Request-Id: the id is the key of its stored
         # conversation, which another client must not reach or overwrite by sending the same header.
         self.id = f"resp_{uuid.uuid4().hex}"
@@ -78,7 +78,7 @@ class _Run:
         tool_parser = state.tool_parser if mode.kind == "auto" else None
         self.params = with_markup_tokens(sampling_params(sampling_fields(req), max_tokens=max_tokens, logprobs=None,
                                                          constraint=constraint), tool_parser)
-        request = prepare(state, prompt_ids, self.params, prompt_param="input")
+        request = prepare(state, prompt_ids, self.params, prompt_param="input", lora_request=model.lora_request)
         self.generation = Generation(state, f"resp-{request_id}", [request], priority=req.priority, user=req.user,
                                      arrival=arrival)
         self.output = ResponseOutput(ChoiceOutput(mode, tool_parser, state.reasoning_parser,

@@ -32,6 +32,7 @@ from cadence.api.limits import (
     DEFAULT_PREPROCESS_TIMEOUT_S,
     DEFAULT_REQUEST_READ_TIMEOUT_S,
 )
+from cadence.api.lora_adapters import RUNTIME_UPDATING_ENV, LoRAModule, parse_lora_module
 from cadence.engine_args import add_engine_args, engine_args_from
 
 if TYPE_CHECKING:
@@ -106,7 +107,36 @@ def register(verbs: Any) -> None:
                             "deepseek_r1 ...)")
     tools.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
                        help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    lora = serve.add_argument_group("LoRA adapters (docs/lora.md; needs --enable-lora)")
+    lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                      help='PEFT adapters served as models of their own: NAME=PATH, or JSON {"name": ..., "path": '
+                           '..., "base_model_name": ...} (the served name its /v1/models card gives as parent)')
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also turned on by "
+                           f"{RUNTIME_UPDATING_ENV}=1 or true): any client that reaches the API (with --api-key, "
+                           "any that has the key) may then make the server read adapters from its disk")
     serve.set_defaults(run=run_server)
+
+
+def _lora_module(item: str) -> LoRAModule:
+    try:
+        return parse_lora_module(item)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def runtime_lora_updating(ns: argparse.Namespace) -> bool:
+    """Whether the load and unload endpoints are served: the flag, or vLLM's environment variable.
+
+    :raises ValueError: for the flag (or ``--lora-modules``) without ``--enable-lora``. (The
+        variable alone is not refused, as vLLM does not: loads then answer 400 saying LoRA is off.)
+    """
+    flags = {"--lora-modules": ns.lora_modules, "--allow-runtime-lora-updating": ns.allow_runtime_lora_updating}
+    for flag, given in flags.items():
+        if given and not ns.enable_lora:
+            raise ValueError(f"{flag} needs --enable-lora (with --max-lora-rank at least the adapters' rank)")
+    from_env = os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() in ("1", "true")
+    return bool(ns.allow_runtime_lora_updating) or from_env
 
 
 def default_model_name(model: str | None) -> str:
@@ -142,6 +172,7 @@ def run_server(ns: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
     if not ns.engine_stall_timeout >= 0 or ns.engine_stall_timeout == math.inf:  # nan, negative or inf
         raise ValueError(f"--engine-stall-timeout must be >= 0 (0: never), got {ns.engine_stall_timeout}")
+    allow_lora_updating = runtime_lora_updating(ns)
     config = replace(engine_args_from(ns), usage_context="serving").create_config()
     settings = ServerSettings(
         served_model_names=tuple(ns.served_model_name or [default_model_name(ns.model)]),
@@ -155,6 +186,8 @@ def run_server(ns: argparse.Namespace) -> int:
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         reasoning_parser=ns.reasoning_parser,
         chat_template=chat_template_text(ns.chat_template),
+        lora_modules=tuple(ns.lora_modules or ()),
+        allow_runtime_lora_updating=allow_lora_updating,
     )
     options = ServeOptions(host=ns.host, port=ns.port, shutdown_timeout_s=ns.shutdown_timeout,
                            stay_up_on_engine_death=ns.stay_up_on_engine_death, log_level=ns.log_level.upper(),
@@ -235,7 +268,14 @@ async def _serve_http(engine: AsyncEngine, settings: ServerSettings, options: Se
     from cadence.api.connection import APIRunner
     from cadence.api.limits import KEEPALIVE_TIMEOUT_S
 
-    app = build_app(engine, settings)
+    try:
+        app = build_app(engine, settings)
+    except ValueError as exc:  # a --lora-modules adapter that does not fit the model
+        print(f"cadence: {exc}", file=sys.stderr)
+        return 1
+    if settings.allow_runtime_lora_updating:
+        logger.warning("runtime LoRA updating is on: any client that reaches the API (and has its key, if one is "
+                       "set) may load adapters from this machine's files; serve it only to clients you trust")
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = APIRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None,
                        keepalive_timeout=KEEPALIVE_TIMEOUT_S)

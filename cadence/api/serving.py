@@ -29,6 +29,7 @@ from cadence.api.limits import (
     DEFAULT_REQUEST_READ_TIMEOUT_S,
 )
 from cadence.api.logprobs import TokenTexts
+from cadence.api.lora_adapters import LoRAAdapters, LoRAModule
 from cadence.api.metrics import APIMetrics, EngineState, RequestTimer
 from cadence.api.params import TextBound, longest_token_bytes
 from cadence.api.reasoning_parsers import load_reasoning_parser
@@ -37,6 +38,7 @@ from cadence.api.tool_parsers import load_tool_parser
 from cadence.engine.admission import PreparedRequest
 from cadence.engine.async_engine import AsyncEngine
 from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from cadence.lora_request import LoRARequest
 from cadence.messages import RequestOutput
 from cadence.sampling_params import SamplingParams
 
@@ -61,10 +63,14 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     chat_template: str | None = None
+    # LoRA (docs/lora.md): adapters served from the start, and whether clients may load and unload more.
+    lora_modules: tuple[LoRAModule, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("give at least one served model name")
+        self._check_lora_modules()
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         # Refused here, before the engine starts, like any bad option.
@@ -84,6 +90,31 @@ class ServerSettings:
         """The name responses report."""
         return self.served_model_names[0]
 
+    def _check_lora_modules(self) -> None:
+        """What can be refused before the engine starts: names taken twice or by a base model, and
+        parents that are not served; the adapters themselves are checked against the model once it
+        runs (:class:`APIState`)."""
+        names = [m.name for m in self.lora_modules]
+        for module in self.lora_modules:
+            if module.name in self.served_model_names:
+                raise ValueError(f"--lora-modules: {module.name!r} is a served model name (--served-model-name); "
+                                 "give the adapter another name")
+            if names.count(module.name) > 1:
+                raise ValueError(f"--lora-modules: {module.name!r} is given more than once")
+            if module.base_model_name not in (None, *self.served_model_names):
+                raise ValueError(f"--lora-modules: adapter {module.name!r} names base_model_name "
+                                 f"{module.base_model_name!r}, which is not a served model name (served: "
+                                 f"{', '.join(self.served_model_names)})")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a request's ``model`` selects: the name its response reports, and the LoRA adapter it
+    runs with (None: the base model)."""
+
+    name: str
+    lora_request: LoRARequest | None = None
+
 
 class InFlight:
     """An admitted request; its generation runs inside ``scope``."""
@@ -96,7 +127,10 @@ class InFlight:
 
 
 class APIState:
-    """One app's engine, settings, metrics and in-flight generations."""
+    """One app's engine, settings, served LoRA adapters, metrics and in-flight generations.
+
+    :raises ValueError: (on creation) for a ``--lora-modules`` adapter that does not fit the model.
+    """
 
     def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
         self.engine = engine
@@ -113,6 +147,12 @@ class APIState:
         self.created = int(time.time())
         self.closing = False
         self._in_flight: set[InFlight] = set()
+        self.adapters = LoRAAdapters(self.limits, settings.served_model_names)
+        for module in settings.lora_modules:
+            try:
+                self.adapters.add(module.name, module.path, module.base_model_name)
+            except InvalidRequestError as exc:
+                raise ValueError(f"--lora-modules: {exc}") from None  # the message names the adapter
 
     def _engine_states(self) -> list[EngineState]:
         """Per engine core, in rank order; a pool's usable blocks exclude its null block."""
@@ -128,12 +168,23 @@ class APIState:
         return await read_json(request, kind, max_bytes=self.settings.max_request_body_bytes,
                                timeout_s=self.settings.request_read_timeout_s)
 
-    def check_model(self, model: str | None) -> str:
-        """The name to answer with. :raises APIError: 404 for a model this server does not serve."""
+    def check_model(self, model: str | None) -> ServedModel:
+        """What ``model`` selects: the base model (under its first served name) or a served LoRA
+        adapter (under its own name, as vLLM reports it).
+
+        :raises APIError: 404 ``model_not_found`` for a name this server does not serve (also an
+            adapter unloaded since).
+        """
         if model is None or model in self.settings.served_model_names:
-            return self.settings.model_name
-        raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                            f"{', '.join(self.settings.served_model_names)}", param="model", code="model_not_found")
+            return ServedModel(self.settings.model_name)
+        adapter = self.adapters.get(model)
+        if adapter is not None:
+            return ServedModel(model, adapter.lora_request)
+        served = ", ".join(self.settings.served_model_names)
+        if len(self.adapters):
+            served += " and LoRA adapters (GET /v1/models lists them)"
+        raise APIError(404, f"The model `{model}` does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
 
     @contextlib.contextmanager
     def admitted(self, num_requests: int) -> Iterator[InFlight]:
@@ -189,13 +240,15 @@ class APIState:
                 await anyio.sleep(0.02)
 
 
-def prepare(state: APIState, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str) -> PreparedRequest:
-    """The engine's admission checks (vocabulary, KV capacity ...), run once, before anything is admitted.
+def prepare(state: APIState, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str,
+            lora_request: LoRARequest | None = None) -> PreparedRequest:
+    """The engine's admission checks (vocabulary, KV capacity, the adapter ...), run once, before
+    anything is admitted.
 
     :raises APIError: 400 saying what to change, naming the field (``prompt_param`` for the prompt).
     """
     try:
-        return state.engine.prepare(prompt_ids, params)
+        return state.engine.prepare(prompt_ids, params, lora_request)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from None
 

@@ -46,6 +46,10 @@ class KVRequest(Protocol):
     def num_computed_tokens(self) -> int: ...
     @property
     def num_prompt_tokens(self) -> int: ...
+    @property
+    def cache_salt(self) -> str | None:
+        """Keys the request's blocks apart (its LoRA adapter): its first block's hash includes it."""
+        ...
 
 
 class RequestBlocks:

@@ -26,6 +26,7 @@ from cadence.executor import Executor, create_executor
 from cadence.executor.actor import ExecutorActor
 from cadence.executor.base import UniExecutor
 from cadence.executor.worker import Worker
+from cadence.lora.adapter import AdapterLimits
 from cadence.models.kv_groups import kv_cache_groups_of
 from cadence.models.loader import load_hf_config, load_tokenizer
 from cadence.policies.base import PolicyContext
@@ -72,8 +73,10 @@ class EngineCore:
     def actors(self, outputs_to: Mailbox[Any]) -> tuple[SchedulerActor, ExecutorActor]:
         """Fresh scheduler and executor actors over these components; the scheduler actor takes
         requests and aborts, and sends each step's outputs to ``outputs_to``."""
+        lora = self.config.lora
         core = SchedulerActor(self.scheduler, self.config.model.max_model_len, self.timing,
-                              vocab_size=self.hf_config.vocab_size)
+                              vocab_size=self.hf_config.vocab_size,
+                              lora=None if lora is None else AdapterLimits.of(self.hf_config, lora.max_lora_rank))
         executor = ExecutorActor(self.executor, core)
         core.connect(executor, outputs_to)
         return core, executor

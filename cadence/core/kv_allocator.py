@@ -317,7 +317,8 @@ class KVAllocator(PoolViews):
         tokens = request.all_token_ids
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), n):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            salt = request.cache_salt  # in the first block only: the chain carries it on
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], (salt,) if i == 0 and salt else ())
             hashes.append(parent)
 
     def _cache_full_blocks(self, request: KVRequest, state: RequestBlocks, num_full: int) -> None:
@@ -336,7 +337,8 @@ class KVAllocator(PoolViews):
                 cache[h] = block
                 stored.append(i)
         if stored and self._group == 0 and self._pool.record_events:
-            self._pool.events.extend(stored_events(request.all_token_ids, hashes, stored, self._block_size))
+            self._pool.events.extend(stored_events(request.all_token_ids, hashes, stored, self._block_size,
+                                                    request.cache_salt))
         state.num_cached = num_full
 
     # ---- invariants ------------------------------------------------------------------------

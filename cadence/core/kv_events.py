@@ -22,13 +22,15 @@ class BlockStored(_KVEvent):
     """Consecutive blocks of one request entered the prefix cache.
 
     ``token_ids`` holds ``len(block_hashes) * block_size`` ids, block after block; the first
-    block's parent is ``parent_block_hash`` (``None``: it starts a sequence).
+    block's parent is ``parent_block_hash`` (``None``: it starts a sequence, and its hash includes
+    the request's ``cache_salt``, its LoRA adapter's, if any).
     """
 
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    cache_salt: str | None = None
 
 
 class BlockRemoved(_KVEvent):
@@ -44,9 +46,11 @@ class AllBlocksCleared(_KVEvent):
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def stored_events(tokens: Sequence[int], hashes: list[int], indices: list[int], block_size: int) -> list[BlockStored]:
+def stored_events(tokens: Sequence[int], hashes: list[int], indices: list[int], block_size: int,
+                  cache_salt: str | None = None) -> list[BlockStored]:
     """One :class:`BlockStored` per run of consecutive block ``indices`` of a request whose tokens
-    are ``tokens`` and whose full blocks hash to ``hashes``."""
+    are ``tokens``, whose full blocks hash to ``hashes`` and whose first block's hash includes
+    ``cache_salt``."""
     events = []
     start = 0
     for k in range(1, len(indices) + 1):
@@ -57,6 +61,7 @@ def stored_events(tokens: Sequence[int], hashes: list[int], indices: list[int], 
                 parent_block_hash=hashes[first - 1] if first > 0 else None,
                 token_ids=list(tokens[first * block_size:(last + 1) * block_size]),
                 block_size=block_size,
+                cache_salt=cache_salt,
             ))
             start = k
     return events

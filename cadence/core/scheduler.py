@@ -55,8 +55,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Arrival order; preempted requests go back to the front.
         self.waiting: deque[Request] = deque()
-        # Admission order.
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # admission order
         # Requests the worker holds state for (scheduled at least once since their last admission).
         self._on_worker: set[str] = set()
         self._finished_since_last_step: list[str] = []
@@ -67,8 +66,7 @@ class Scheduler:
                             if config.target_itl_ms and policy.chunked else None)
         self._last_shape: StepShape | None = None
         self._last_num_tokens = 0
-        # --trace-scheduling: every decision about each request, stamped with the policy's clock.
-        self.trace = trace
+        self.trace = trace  # --trace-scheduling: every decision about each request, on the policy's clock
         self.speculation = speculation  # --speculative-config: drafts verified with decodes
 
     # ---- queue management --------------------------------------------------------------------
@@ -218,10 +216,13 @@ class Scheduler:
             request = self.requests.get(view.request_id)
             if request is None or request.status == RequestStatus.RUNNING:
                 continue  # not waiting: a policy's mistake, not a reason to stop
-            if not self._grammar_ready(request):
+            waits_for = None if self._grammar_ready(request) else "grammar"  # still compiling
+            if waits_for is None and not self._adapter_fits(request, admitted):
+                waits_for = "adapter"  # --max-loras others run: it waits for one of theirs to finish
+            if waits_for is not None:
                 if self.trace is not None:
-                    self.trace.event("grammar", request=request.request_id)
-                continue  # still compiling: those behind it go first
+                    self.trace.event(waits_for, request=request.request_id)
+                continue  # those behind it go first
             blocker = step.stop_reason(request)
             if (blocker is None and step.preempted_for_running
                     and self.policy.preempt_for(request, self.running) is None):
@@ -239,6 +240,13 @@ class Scheduler:
             if len(step.preempted) > num_preempted:
                 order = iter(self.policy.order_waiting(self.waiting))
         self.running.extend(admitted)
+
+    def _adapter_fits(self, request: Request, admitted: list[Request]) -> bool:
+        """Whether ``request``'s LoRA adapter may join those running: at most ``max_loras`` at once."""
+        if request.lora_name is None or not self.config.max_loras:
+            return True
+        active = {r.lora_name for r in (*self.running, *admitted)} - {None}
+        return request.lora_name in active or len(active) < self.config.max_loras
 
     def _admit(self, request: Request, num_admitted: int, step: StepPlan) -> str | None:
         """Give a waiting request tokens, a seat and blocks, preempting where the policy says so;
@@ -325,20 +333,12 @@ class Scheduler:
         for request_id, num in step.scheduled.items():
             request = self.requests[request_id]
             admitted = request_id not in self._on_worker
-            if not admitted:
-                cached_requests.append(
-                    CachedRequestData(request_id, step.new_blocks[request_id], request.num_computed_tokens))
-            else:
-                new_requests.append(NewRequestData(
-                    request_id=request_id,
-                    token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
-                    eos_token_id=request.eos_token_id,
-                    block_ids=self.allocator.block_ids(request_id),
-                    num_computed_tokens=request.num_computed_tokens,
-                ))
+            if admitted:
+                new_requests.append(request.new_request_data(self.allocator.block_ids(request_id)))
                 self._on_worker.add(request_id)
+            else:
+                cached_requests.append(CachedRequestData(request_id, step.new_blocks[request_id],
+                                                         request.num_computed_tokens))
             request.drafts.num_scheduled = step.drafts.get(request_id, 0)
             if self.trace is not None:
                 self.trace.scheduled(request, num, admitted)

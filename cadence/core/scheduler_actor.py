@@ -23,6 +23,8 @@ import anyio.to_thread
 from cadence.core.scheduler import Scheduler
 from cadence.core.step_timing import StepTiming
 from cadence.executor.base import WorkerError
+from cadence.lora.adapter import AdapterError, AdapterLimits, check_adapter
+from cadence.lora_request import LoRARequest
 from cadence.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -50,10 +52,12 @@ class SchedulerActor(Actor[SchedulerInbox]):
     # scheduler -> detokenizer -> scheduler (abort) cycle.
     inbox_size = UNBOUNDED
 
-    def __init__(self, scheduler: Scheduler, max_model_len: int, timing: StepTiming, *, vocab_size: int) -> None:
+    def __init__(self, scheduler: Scheduler, max_model_len: int, timing: StepTiming, *, vocab_size: int,
+                 lora: AdapterLimits | None = None) -> None:
         super().__init__()
         self.scheduler = scheduler
         self.max_model_len = max_model_len
+        self.lora = lora  # what a request's LoRA adapter is checked against; None: LoRA is off
         self.vocab_size = vocab_size
         self.timing = timing
         self.executor: Mailbox[Any]
@@ -111,6 +115,8 @@ class SchedulerActor(Actor[SchedulerInbox]):
             return
         error = request_error(message, self.vocab_size, self.max_model_len,
                               self.scheduler.allocator.capacity_tokens)
+        if error is None and message.lora_request is not None:
+            error = self._lora_error(message.lora_request)
         if error is None:
             try:
                 self.scheduler.add_request(Request(
@@ -123,6 +129,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
                     priority=message.priority,
                     user=message.user,
                     client_id=message.client_id,
+                    lora_request=message.lora_request,
                 ))
                 return
             except ValueError as exc:  # a constrained request without a structured-output manager
@@ -190,6 +197,18 @@ class SchedulerActor(Actor[SchedulerInbox]):
             forward_time_s=self.timing.total.forward_s,
             spec_decode=None if scheduler.speculation is None else scheduler.speculation.stats(),
         )
+
+
+    def _lora_error(self, lora: LoRARequest) -> str | None:
+        """Why the workers could not run ``lora``'s adapter (checked again here, not only by the front
+        end: a worker that fails to read an adapter fails the engine core), or None."""
+        if self.lora is None:
+            return "model: this engine core serves no LoRA adapter (start it with --enable-lora)"
+        try:
+            check_adapter(lora.lora_path, self.lora)
+        except AdapterError as exc:
+            return f"model: LoRA adapter {lora.lora_name!r}: {exc}"
+        return None
 
 
 def request_error(request: EngineCoreRequest, vocab_size: int, max_model_len: int, kv_capacity: int) -> str | None:

@@ -21,6 +21,8 @@ simulator). Events:
   not grow with the queue.
 - ``end``: the step ran; the events after it (finishes) carry its end time.
 - ``grammar``: a waiting ``request`` was passed over while its grammar compiles.
+- ``adapter``: a waiting ``request`` was passed over: its LoRA adapter would be one more than
+  ``--max-loras`` among those running.
 - ``preempted``: ``request`` lost its blocks to make room for ``by`` (``reason``: ``kv_blocks``
   for a running request that needed them, ``seats`` or ``kv_blocks`` for a waiting one the policy
   admitted in its place).

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 @dataclass
 class FakeRequest:
-    """What the allocator reads of a request: its id, tokens and how many are computed."""
+    """What the allocator reads of a request: its id, tokens, how many are computed, and what keys
+    its blocks apart (its LoRA adapter's salt)."""
 
     request_id: str
     all_token_ids: list[int]
     num_computed_tokens: int = 0
+    cache_salt: str | None = None
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ for ``cadence/quantization/packed.py``'s linear (docs/quantization.md).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
@@ -63,6 +63,9 @@ class ShardedLayer(nn.Module):
 
     num_shards: int = 1
     staged: dict[int, BlockCodes]
+    # LoRA adapters (cadence/lora/layer_slots.py): given the input and the output, the output with the
+    # step's adapters' deltas added (under tensor parallelism, this rank's share, before the all-reduce).
+    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def stage(self, tensor: CheckpointTensor, expected: tuple[int, ...], shard: int, rows: slice, cols: slice) -> bool:
         """Keep shard ``shard`` of a quantized weight as blocks; False where ``tensor`` is not one."""
@@ -128,7 +131,8 @@ class ColumnParallelLinear(ShardedLayer):
         self.bias = _parameter(self._offsets[-1], dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._offsets[-1])
+        out = linear(x, self.weight, self.bias, self._offsets[-1])
+        return out if self.lora is None else self.lora(x, out)
 
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
         part = self.parts[shard]
@@ -154,9 +158,13 @@ class RowParallelLinear(ShardedLayer):
         self.bias = _parameter(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group.world_size == 1:
-            return linear(x, self.weight, self.bias, self.out_features)
-        out = self.group.all_reduce(linear(x, self.weight, None, self.out_features))
+        single = self.group.world_size == 1
+        out = linear(x, self.weight, self.bias if single else None, self.out_features)
+        if self.lora is not None:  # a LoRA delta through this rank's input columns sums like the product
+            out = self.lora(x, out)
+        if single:
+            return out
+        out = self.group.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
@@ -307,6 +315,12 @@ def _zero_rows(codes: BlockCodes, rows: int) -> BlockCodes:
     extra = rows - codes.shape[0]
     return BlockCodes(F.pad(codes.codes, (0, 0, 0, extra)), F.pad(codes.scale, (0, 0, 0, extra)),
                       F.pad(codes.minimum, (0, 0, 0, extra)), codes.bits, codes.block)
+
+
+def prepacked(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of ``weight`` in the layout :func:`linear` runs fastest here (as :func:`pack_weights`
+    packs a layer's), or ``weight`` itself where there is none (fp32, another device)."""
+    return _pack(weight) if _packable(weight) else weight
 
 
 def _packable(weight: torch.Tensor) -> bool:

@@ -15,6 +15,8 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from cadence.config import EngineConfig
 from cadence.core.structured_output import check_constraint
 from cadence.errors import InvalidRequestError
+from cadence.lora.adapter import AdapterError, AdapterLimits, check_adapter
+from cadence.lora_request import LoRARequest
 from cadence.models.kv_groups import kv_cache_groups_of, kv_capacity_tokens
 from cadence.sampling_params import SamplingParams
 
@@ -29,6 +31,7 @@ class ModelLimits:
     vocab_size: int
     kv_capacity_tokens: int  # the longest request the KV pool holds for sure
     eos_token_id: int | None
+    lora: AdapterLimits | None = None  # None: LoRA is off (no --enable-lora)
 
     @classmethod
     def of(cls, config: EngineConfig, hf_config: PretrainedConfig, num_blocks: int,
@@ -38,7 +41,8 @@ class ModelLimits:
                    kv_capacity_tokens=kv_capacity_tokens(
                        num_blocks, config.cache.block_size,
                        kv_cache_groups_of(hf_config, config.cache.hybrid_kv_cache).num_groups),
-                   eos_token_id=tokenizer.eos_token_id)
+                   eos_token_id=tokenizer.eos_token_id,
+                   lora=None if config.lora is None else AdapterLimits.of(hf_config, config.lora.max_lora_rank))
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (docs/lora.md)
 
 
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
@@ -59,14 +64,27 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[
 
 
 def prepare_request(tokenizer: PreTrainedTokenizerBase, limits: ModelLimits, prompt: Prompt,
-                    params: SamplingParams) -> PreparedRequest:
-    """Tokenize ``prompt`` and check the request against ``limits``.
+                    params: SamplingParams, lora_request: LoRARequest | None = None) -> PreparedRequest:
+    """Tokenize ``prompt`` and check the request (and its adapter, if any) against ``limits``.
 
     :raises InvalidRequestError: saying what to change, with the field in ``param``.
     """
     token_ids = tokenize_prompt(tokenizer, prompt)
     check_request(limits, token_ids, params)
-    return PreparedRequest(token_ids, params, prompt if isinstance(prompt, str) else None)
+    if lora_request is not None:
+        check_lora(limits, lora_request)
+    return PreparedRequest(token_ids, params, prompt if isinstance(prompt, str) else None, lora_request)
+
+
+def check_lora(limits: ModelLimits, lora_request: LoRARequest) -> None:
+    """:raises InvalidRequestError: LoRA is off, or the adapter does not fit the model (``param``: model)."""
+    if limits.lora is None:
+        raise InvalidRequestError(f"the request names LoRA adapter {lora_request.lora_name!r}, but this engine "
+                                  "serves none; start it with --enable-lora (docs/lora.md)", "model")
+    try:
+        check_adapter(lora_request.lora_path, limits.lora)
+    except AdapterError as exc:
+        raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r}: {exc}", "model") from None
 
 
 def check_request(limits: ModelLimits, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -33,6 +33,7 @@ from cadence.engine.request_manager import RequestHandle
 from cadence.engine.routers.base import RouterContext, load_router, router_class
 from cadence.engine.zmq_client import ZmqCoreClient
 from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from cadence.lora_request import LoRARequest
 from cadence.messages import RequestOutput, SchedulerStats, SpecDecodeStats
 from cadence.models.loader import load_hf_config, load_tokenizer
 from cadence.runtime.actor import run_actors
@@ -176,12 +177,14 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
-        """Tokenize and check a request without submitting it (see :mod:`cadence.engine.admission`).
+    def prepare(self, prompt: Prompt, params: SamplingParams, lora_request: LoRARequest | None = None
+                ) -> PreparedRequest:
+        """Tokenize and check a request (to run with ``lora_request``'s adapter, if given) without
+        submitting it (see :mod:`cadence.engine.admission`).
 
         :raises InvalidRequestError: saying what to change, with the field in ``param``.
         """
-        return prepare_request(self.tokenizer, self.limits, prompt, params)
+        return prepare_request(self.tokenizer, self.limits, prompt, params, lora_request)
 
     async def submit(self, request: PreparedRequest, request_id: str | None = None, *, priority: int = 0,
                      user: str | None = None) -> RequestHandle:

@@ -19,6 +19,7 @@ from cadence.engine.admission import ModelLimits, Prompt, prepare_request
 from cadence.engine.async_engine import AsyncEngine
 from cadence.engine.inproc_client import InProcessCoreClient
 from cadence.engine_args import EngineArgs
+from cadence.lora_request import LoRARequest
 from cadence.messages import RequestOutput
 from cadence.models.loader import load_tokenizer
 from cadence.sampling_params import SamplingParams
@@ -78,11 +79,13 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         users: Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs keep the prompts' order.
 
         ``priority`` (lower runs first under ``policy="priority"``) and ``users`` (the tenant under
-        ``policy="fair"``) give one value per prompt.
+        ``policy="fair"``) give one value per prompt; ``lora_request`` one adapter for every prompt
+        or one per prompt (None: the base model; the engine needs ``enable_lora=True``: docs/lora.md).
 
         A request that fails in the engine (its grammar does not compile, say) does not fail the
         batch: as in vLLM, its output comes back, with ``finish_reason == "error"`` on the sequence
@@ -95,7 +98,9 @@ class LLM:
         params = _params_per_prompt(sampling_params, len(batch))
         priorities = _one_per_prompt("priority", priority, len(batch), 0)
         tenants = _one_per_prompt("users", users, len(batch), None)
-        return anyio.run(self._generate, batch, params, priorities, tenants, use_tqdm)
+        loras = (_one_per_prompt("lora_request", lora_request, len(batch), None) if isinstance(lora_request, Sequence)
+                 else [lora_request] * len(batch))
+        return anyio.run(self._generate, batch, params, priorities, tenants, loras, use_tqdm)
 
     def chat(
         self,
@@ -104,12 +109,13 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         batch = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
         prompts: list[Prompt] = [self.apply_chat_template(c, add_generation_prompt)  # type: ignore[arg-type]
                                  for c in batch]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
         rendered: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -117,10 +123,11 @@ class LLM:
         return list(rendered["input_ids"])
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int],
-                        users: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
+                        users: list[str | None], loras: list[LoRARequest | None],
+                        use_tqdm: bool) -> list[RequestOutput]:
         # Tokenize and check everything first so that a bad prompt admits nothing.
-        requests = [prepare_request(self.tokenizer, self.limits, prompt, p)
-                    for prompt, p in zip(prompts, params, strict=True)]
+        requests = [prepare_request(self.tokenizer, self.limits, prompt, p, lora)
+                    for prompt, p, lora in zip(prompts, params, loras, strict=True)]
         progress = tqdm(total=len(prompts), desc="Generating", unit="req",
                         disable=not use_tqdm or len(prompts) < _PROGRESS_MIN_PROMPTS)
         results: list[RequestOutput] = []

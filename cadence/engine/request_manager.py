@@ -167,7 +167,7 @@ class RequestManager(Actor[DetokenizedOutputs]):
             self.engine_core.send_nowait(EngineCoreRequest(
                 request_id=child_id, prompt_token_ids=prepared.prompt_token_ids, sampling_params=child_params,
                 eos_token_id=self.limits.eos_token_id, arrival_time=arrival, priority=priority, user=user,
-                client_id=request_id))
+                client_id=request_id, lora_request=prepared.lora_request))
         return RequestHandle(request_id, prepared, outputs)
 
     async def abort(self, request_id: str) -> None:

@@ -21,6 +21,8 @@ from cadence.backends.base import AttentionBackend, BatchLayout
 from cadence.executor.sampler import Sampler, apply_grammar_bitmask
 from cadence.executor.sampling_plan import SamplingRow
 from cadence.executor.speculation import Drafter, verify
+from cadence.lora.manager import LoRAManager
+from cadence.lora_request import LoRARequest
 from cadence.messages import ModelRunnerOutput, NewRequestData, PromptLogprobs, SchedulerOutput
 from cadence.sampling_params import SamplingParams
 
@@ -34,6 +36,7 @@ class CachedRequestState:
     eos_token_id: int | None
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
     # Rebuilt only when the outputs change; the sampler reads it for penalties and seeds.
     _row: SamplingRow | None = field(default=None, repr=False)
 
@@ -47,6 +50,7 @@ class CachedRequestState:
             eos_token_id=data.eos_token_id,
             block_ids=[list(ids) for ids in data.block_ids],
             num_computed_tokens=data.num_computed_tokens,
+            lora_request=data.lora_request,
         )
 
     @property
@@ -124,6 +128,7 @@ class ModelRunner:
         sampler: Sampler | None = None,  # a tensor-parallel worker passes one that broadcasts rank 0's tokens
         layer_groups: list[int] | None = None,  # each layer's KV cache group (default: one group)
         drafter: Drafter | None = None,  # speculative decoding: proposes each request's next drafts
+        lora: LoRAManager | None = None,  # --enable-lora: the adapters' slots in the model's layers
     ) -> None:
         self.model = model
         self.backend = backend
@@ -134,6 +139,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler or Sampler()
         self.drafter = drafter
+        self.lora = lora
         self.states: dict[str, CachedRequestState] = {}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -198,7 +204,10 @@ class ModelRunner:
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         num_reqs = len(out.num_scheduled_tokens)
-        counts = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        order = list(out.num_scheduled_tokens)
+        if self.lora is not None:  # each adapter's rows together: a large step runs them as slices
+            order.sort(key=lambda request_id: _adapter_key(self.states[request_id]))
+        counts = np.fromiter((out.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=num_reqs)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start_loc[1:])
         seq_lens = np.empty(num_reqs, dtype=np.int64)
@@ -207,7 +216,9 @@ class ModelRunner:
         step_drafts: list[list[int]] = []
         logits_indices: list[int] = []
         prompt = PromptRows()
-        states = [self.states[request_id] for request_id in out.num_scheduled_tokens]
+        states = [self.states[request_id] for request_id in order]
+        if self.lora is not None:
+            self.lora.prepare([state.lora_request for state in states], counts)
         for i, state in enumerate(states):
             start = state.num_computed_tokens
             end = start + int(counts[i])
@@ -255,3 +266,8 @@ class ModelRunner:
             slot_mapping = block_table[req_index, block_index].astype(np.int64) * bs + offsets
             tables.append((torch.from_numpy(block_table), torch.from_numpy(slot_mapping)))
         return tables
+
+
+def _adapter_key(state: CachedRequestState) -> int:
+    """Orders a step's requests by LoRA adapter (the base model first); the sort is stable."""
+    return 0 if state.lora_request is None else state.lora_request.lora_int_id

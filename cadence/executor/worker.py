@@ -23,6 +23,7 @@ from cadence.executor.model_runner import ModelRunner
 from cadence.executor.sampler import Sampler, SamplerOutput
 from cadence.executor.sampling_plan import SamplingRow
 from cadence.executor.speculation import Drafter
+from cadence.lora.manager import LoRAManager
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.models.kv_groups import kv_cache_groups_of
 from cadence.models.layers import head_dim_of
@@ -79,8 +80,9 @@ class Worker:
                    for _ in range(groups.group_size)]
         sampler = BroadcastSampler(group) if group.world_size > 1 else None
         drafter = None if config.speculative is None else Drafter(config.speculative)
+        lora = None if config.lora is None else LoRAManager(model, config.lora, dtype, device)
         self.runner = ModelRunner(model, model.attn_backend, [tensors[slot] for slot in groups.slot_of_layer],
-                                  config.cache.block_size, device, sampler, groups.group_of_layer, drafter)
+                                  config.cache.block_size, device, sampler, groups.group_of_layer, drafter, lora)
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in tensors)
         ranks = f", rank {group.rank} of {group.world_size}" if group.world_size > 1 else ""
         progress("KV cache: %d blocks of %d tokens (%.2f GiB%s); ready in %.1f s", self.num_blocks,

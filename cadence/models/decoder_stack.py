@@ -64,6 +64,9 @@ class DecoderStack:
         self._native = native
         self._dtype = dtype
         self._rotaries: list[RotaryEmbedding] = []  # each layer's (their tables grow while serving)
+        # Off for a step whose layers must run from Python: one with LoRA adapters, whose deltas the
+        # layers' hooks add (cadence/lora/manager.py).
+        self.enabled = True
 
     @classmethod
     def start(cls, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> DecoderStack | None:
@@ -97,7 +100,7 @@ class DecoderStack:
 
     def runs(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether the paged-attention kernels read these caches (as the backend checks per layer)."""
-        return bool(kv_caches) and kv_caches[0][0].dtype == self._dtype
+        return self.enabled and bool(kv_caches) and kv_caches[0][0].dtype == self._dtype
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  attn_metadata: Sequence[object]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -310,7 +310,7 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, CheckpointTen
 def load_named(modules: dict[str, nn.Module], expected: set[tuple[str, int]], hf_name: str,
                tensor: CheckpointTensor) -> list[tuple[str, int]] | None:
     """Load ``tensor`` into the parameter (and shard) of its name, if ``expected`` has it."""
-    name, shard = _our_name(hf_name)
+    name, shard = our_name(hf_name)
     if (name, shard) not in expected:
         return None
     module_name, _, param_name = name.rpartition(".")
@@ -329,7 +329,7 @@ def expected_shards(model: nn.Module) -> set[tuple[str, int]]:
     return expected
 
 
-def _our_name(hf_name: str) -> tuple[str, int]:
+def our_name(hf_name: str) -> tuple[str, int]:
     """Our parameter name for a Hugging Face one, and the shard it fills (0 when not fused)."""
     parts = hf_name.split(".")
     fused = _FUSED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None

@@ -28,7 +28,7 @@ class Story:
 
     request: str
     arrival: Event
-    events: list[Event] = field(default_factory=list)  # scheduled, skipped, preempted, grammar, finished
+    events: list[Event] = field(default_factory=list)  # scheduled, skipped, preempted, grammar, adapter, finished
     # [first step, step it left) of each time it waited: from its arrival or preemption to its
     # admission or finish (None: still waiting when the trace ends).
     spans: list[list[int | None]] = field(default_factory=list)
@@ -190,6 +190,8 @@ def _describe(kind: str, run: list[Event], story: Story) -> str:
         return f"skipped: nothing this step ({first['reason']})"
     if name == "grammar":
         return "passed over: its grammar was compiling"
+    if name == "adapter":
+        return "passed over: --max-loras other LoRA adapters were running"
     return f"finished: {first['reason']}"
 
 

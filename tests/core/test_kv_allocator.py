@@ -147,6 +147,17 @@ def test_same_tokens_after_a_different_prefix_do_not_hit():
     assert alloc.get_computed_blocks(FakeRequest("c", [1, 2, 3, 4, 5, 6, 7, 8, 1])) == ([1, 2], 8)
 
 
+def test_the_same_tokens_under_another_salt_do_not_hit():
+    """A LoRA adapter's blocks (salted with it) are never another adapter's or the base model's."""
+    alloc = KVAllocator(num_blocks=12, block_size=4)
+    admit(alloc, FakeRequest("a", tokens(1, 9), cache_salt="lora:1:a"))
+    assert alloc.get_computed_blocks(FakeRequest("base", tokens(1, 9))) == ([], 0)
+    assert alloc.get_computed_blocks(FakeRequest("b", tokens(1, 9), cache_salt="lora:2:b")) == ([], 0)
+    assert alloc.get_computed_blocks(FakeRequest("a2", tokens(1, 9), cache_salt="lora:1:a")) == ([1, 2], 8)
+    admit(alloc, FakeRequest("base2", tokens(1, 9)))
+    assert alloc.get_computed_blocks(FakeRequest("base3", tokens(1, 9))) == ([4, 5], 8)
+
+
 def test_duplicate_block_keeps_the_existing_mapping():
     alloc = KVAllocator(num_blocks=8, block_size=4, enable_kv_events=True)
     a, b = FakeRequest("a", tokens(1, 5)), FakeRequest("b", tokens(1, 5))

@@ -528,3 +528,28 @@ def test_a_constrained_request_needs_a_structured_output_manager() -> None:
     with pytest.raises(ValueError, match="no structured-output manager"):
         scheduler.add_request(constrained)
     assert scheduler.requests == {}
+
+
+# ---- LoRA adapters ---------------------------------------------------------------------------
+
+
+def test_a_request_whose_adapter_would_exceed_max_loras_waits_and_those_behind_it_go_first() -> None:
+    from dataclasses import replace
+
+    from cadence.lora_request import LoRARequest
+
+    scheduler = make_scheduler(budget=64)
+    scheduler.config = replace(scheduler.config, max_loras=2)
+    adapters = {name: LoRARequest(name, i, f"/adapters/{name}") for i, name in enumerate("abc", 1)}
+    for rid, start, adapter in (("a1", 1, "a"), ("b1", 100, "b"), ("c1", 200, "c"), ("base", 300, None),
+                                ("a2", 400, "a")):
+        req = request(rid, toks(start, 3), max_tokens=2)
+        req.lora_request = None if adapter is None else adapters[adapter]
+        scheduler.add_request(req)
+    first = step(scheduler)
+    # c1 would be a third adapter: passed over, not blocking the base request or a2 (adapter a runs)
+    assert [rid for rid, _ in first.scheduled] == ["a1", "b1", "base", "a2"]
+    assert [r.lora_name for r in scheduler.running] == ["a", "b", None, "a"]
+    step(scheduler)  # every one of them finishes its 2 tokens
+    assert [rid for rid, _ in step(scheduler).scheduled] == ["c1"]
+    assert scheduler.requests["c1"].lora_name == "c"

@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import pytest
 
 from cadence.config import SchedulerConfig
@@ -22,6 +24,8 @@ from cadence.core.scheduler import Scheduler
 from cadence.core.scheduler_actor import SchedulerActor
 from cadence.core.step_timing import StepTiming
 from cadence.executor.base import WorkerError
+from cadence.lora.adapter import AdapterLimits
+from cadence.lora_request import LoRARequest
 from cadence.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -301,6 +305,8 @@ REFUSED = {
                                 "logit_bias: token id -1 is outside the vocabulary (size 100)"),
     "eos-token-id": (_request(eos=VOCAB), "eos_token_id: token id 100 is outside the vocabulary (size 100)"),
     "arrival-time": (_request(arrival=float("nan")), "arrival_time must be finite, got nan"),
+    "lora-off": (msgspec.structs.replace(_request(), lora_request=LoRARequest("x", 1, "/adapters/x")),
+                 "model: this engine core serves no LoRA adapter (start it with --enable-lora)"),
     # No grammar manager in these tests' scheduler: its ValueError is the request's error.
     "constraint": (_request(structured_outputs=StructuredOutputsParams(regex="a+")),
                    "this scheduler has no structured-output manager for a constrained request"),
@@ -322,6 +328,19 @@ def test_a_request_the_engine_cannot_serve_is_answered_with_an_error_and_the_loo
     assert [s.num_scheduled_tokens for s in fake.steps] == [{"good": 3}, {"good": 1}]
     assert [r.getMessage() for r in caplog.records] == [f"refused request 'bad': {error}"]
     assert actor.scheduler.requests == {}
+
+
+def test_a_request_whose_adapter_the_workers_could_not_read_is_refused(tmp_path: Path) -> None:
+    """Checked again in the engine core: a worker that failed to read an adapter would fail the core."""
+    actor = make_actor()
+    actor.lora = AdapterLimits((("q_proj", (8, 8)),), num_layers=1, max_rank=4)
+    _, outputs = connect(actor, {"bad"})
+    actor.send_nowait(msgspec.structs.replace(_request(), lora_request=LoRARequest("x", 1, str(tmp_path / "x"))))
+    run(actor)
+    [answer] = outputs.batches[0].outputs
+    assert answer.finish_reason == "error"
+    assert answer.error == ("model: LoRA adapter 'x': no LoRA adapter at "
+                            f"'{tmp_path / 'x'}': No such file or directory (adapter_model.safetensors)")
 
 
 def test_a_request_needing_more_kv_cache_than_the_pool_holds_is_refused_during_a_step() -> None:

@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from cadence.api.app import build_app
 from cadence.api.serving import ServerSettings
 from cadence.engine.admission import ModelLimits, PreparedRequest, prepare_request
+from cadence.lora_request import LoRARequest
 from cadence.messages import CompletionOutput, RequestOutput, SchedulerStats, TokenLogprobs
 from cadence.sampling_params import SamplingParams
 from support.tiny_models import build_tiny_tokenizer
@@ -67,8 +68,9 @@ class ScriptedEngine:
         self.script = script
         self.calls: list[Call] = []
 
-    def prepare(self, prompt: list[int], params: SamplingParams) -> PreparedRequest:
-        return prepare_request(self.tokenizer, self.limits, prompt, params)
+    def prepare(self, prompt: list[int], params: SamplingParams, lora_request: LoRARequest | None = None
+                ) -> PreparedRequest:
+        return prepare_request(self.tokenizer, self.limits, prompt, params, lora_request)
 
     async def generate(self, request: PreparedRequest, params: None = None, request_id: str | None = None, *,
                        priority: int = 0, user: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -1,0 +1,114 @@
+"""LoRA adapters against the base model, in the same run (docs/lora.md).
+
+One batch of 64 requests (W1's shape: 128 random prompt tokens, 128 output tokens, greedy, EOS
+ignored, prefix caching off), run by three engines, each in a process of its own, alternating
+``--repeats`` times (a warm-up request first):
+
+- **base**: the base model, LoRA off;
+- **lora-off-rows**: ``--enable-lora`` but no request names an adapter (what enabling costs);
+- **4-adapters**: the 64 requests spread over 4 adapters of rank 16 on all seven projections
+  (``--max-loras 4 --max-lora-rank 16``; the goal: at least 0.8x base's output tokens/s).
+
+The adapters are written here in PEFT's format with random weights (no training, no download).
+Prints the median output tokens/s of each and the ratio to base. A benchmark, never a test:
+
+    python benchmarks/lora.py [--quantization none --dtype bfloat16] [--num-threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from cadence import LLM, LoRARequest, SamplingParams
+from cadence.lora.adapter import TARGETS, AdapterLimits
+from cadence.models.loader import load_hf_config, resolve_model
+
+LABELS = ("base", "lora-off-rows", "4-adapters")
+
+
+def write_adapter(folder: Path, limits: AdapterLimits, rank: int, seed: int) -> Path:
+    """A PEFT-format adapter of ``rank`` on every decoder projection, with random weights."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(limits.num_layers):
+        for kind, (fan_in, fan_out) in limits.shapes:
+            group = "self_attn" if kind in TARGETS[:4] else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{group}.{kind}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in ** 0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) / rank ** 0.5 / 8
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}))
+    return folder
+
+
+def measure(ns: argparse.Namespace, label: str) -> dict[str, Any]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(128)] for _ in range(65)]
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    lora_args: dict[str, Any] = {} if label == "base" else {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16}
+    llm = LLM(model=ns.model, quantization=ns.quantization, dtype=ns.dtype, num_threads=ns.num_threads,
+              enable_prefix_caching=False, **lora_args)
+    loras: list[LoRARequest | None] = [None] * 64
+    if label == "4-adapters":
+        limits = AdapterLimits.of(load_hf_config(resolve_model(ns.model)), 16)
+        folder = Path(tempfile.mkdtemp(prefix="cadence-lora-bench-"))
+        adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(folder / f"a{i}", limits, 16, i))) for i in range(4)]
+        loras = [adapters[i % 4] for i in range(64)]
+        llm.generate(prompts[-1:] * 4, SamplingParams(max_tokens=4), lora_request=adapters, use_tqdm=False)
+    llm.generate(prompts[-1:], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts[:64], params, lora_request=loras, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    llm.shutdown()
+    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three engines")
+    parser.add_argument("--only", choices=LABELS, help=argparse.SUPPRESS)  # one engine, in a child process
+    parser.add_argument("--output-json", default=None)
+    ns = parser.parse_args()
+    if ns.only is not None:
+        print(json.dumps(measure(ns, ns.only)))
+        return
+    # Each engine in a process of its own, alternating: two engines alive in one process run several
+    # times slower (their OpenMP pools spin against each other), and the machine drifts between minutes.
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in LABELS}
+    for _ in range(ns.repeats):
+        for label in LABELS:
+            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", label],
+                                   check=True, capture_output=True, text=True)
+            runs[label].append(json.loads(child.stdout.strip().splitlines()[-1]))
+    base = statistics.median(r["tok_s"] for r in runs["base"])
+    print(f"{'engine':14} {'out tok/s':>10} {'vs base':>8}   (64 requests x 128 in / 128 out, median of {ns.repeats})")
+    summary = {}
+    for label in LABELS:
+        tok_s = statistics.median(r["tok_s"] for r in runs[label])
+        summary[label] = {"tok_s": tok_s, "ratio": tok_s / base}
+        print(f"{label:14} {tok_s:10.1f} {tok_s / base:8.2f}")
+    if ns.output_json:
+        Path(ns.output_json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
