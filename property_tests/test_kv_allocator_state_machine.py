@@ -274,8 +274,8 @@ class KVAllocatorMachine(RuleBasedStateMachine):
                 assert len(tokens) == len(ev.block_hashes) * self.bs
                 parent = ev.parent_block_hash
                 for i, h in enumerate(ev.block_hashes):
-                    salted = parent is None and ev.cache_salt  # a sequence's first block
-                    parent = hash_block(parent, tokens[i * self.bs:(i + 1) * self.bs], (ev.cache_salt,) if salted else ())
+                    extra = (ev.cache_salt,) if parent is None and ev.cache_salt else ()  # a sequence's first block
+                    parent = hash_block(parent, tokens[i * self.bs:(i + 1) * self.bs], extra)
                     assert parent == h
                     assert h not in self.cached_from_events
                     self.cached_from_events.add(h)
