@@ -1,13 +1,15 @@
 """LoRA adapters against the base model, in the same run (docs/lora.md).
 
-One batch of 64 requests (W1's shape: 128 random prompt tokens, 128 output tokens, greedy, EOS
-ignored, prefix caching off), run by three engines, each in a process of its own, alternating
+Two workloads (random prompt tokens, greedy, EOS ignored, prefix caching off): **batch**, 64
+requests at once (W1's shape: 128 tokens in, 128 out), and **single**, one request of 128 in and 256
+out (one user's decode speed). Three engines run them, each in a process of its own, alternating
 ``--repeats`` times (a warm-up request first):
 
 - **base**: the base model, LoRA off;
 - **lora-off-rows**: ``--enable-lora`` but no request names an adapter (what enabling costs);
 - **4-adapters**: the 64 requests spread over 4 adapters of rank 16 on all seven projections
-  (``--max-loras 4 --max-lora-rank 16``; the goal: at least 0.8x base's output tokens/s).
+  (``--max-loras 4 --max-lora-rank 16``; the goal: at least 0.8x base's output tokens/s), and the
+  single request on one of them.
 
 The adapters are written here in PEFT's format with random weights (no training, no download).
 Prints the median output tokens/s of each and the ratio to base. A benchmark, never a test:
@@ -55,10 +57,10 @@ def write_adapter(folder: Path, limits: AdapterLimits, rank: int, seed: int) -> 
     return folder
 
 
-def measure(ns: argparse.Namespace, label: str) -> dict[str, Any]:
+def measure(ns: argparse.Namespace, label: str) -> dict[str, dict[str, float]]:
+    """Each workload's seconds, output tokens and tokens/s on the engine ``label`` names."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 40000) for _ in range(128)] for _ in range(65)]
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(128)] for _ in range(66)]
     lora_args: dict[str, Any] = {} if label == "base" else {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16}
     llm = LLM(model=ns.model, quantization=ns.quantization, dtype=ns.dtype, num_threads=ns.num_threads,
               enable_prefix_caching=False, **lora_args)
@@ -70,12 +72,17 @@ def measure(ns: argparse.Namespace, label: str) -> dict[str, Any]:
         loras = [adapters[i % 4] for i in range(64)]
         llm.generate(prompts[-1:] * 4, SamplingParams(max_tokens=4), lora_request=adapters, use_tqdm=False)
     llm.generate(prompts[-1:], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts[:64], params, lora_request=loras, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    results = {}
+    for name, batch, lora_batch, max_tokens in (("batch", prompts[:64], loras, 128),
+                                                ("single", prompts[64:65], loras[:1], 256)):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, lora_request=lora_batch, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        results[name] = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
     llm.shutdown()
-    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+    return results
 
 
 def main() -> None:
@@ -93,19 +100,20 @@ def main() -> None:
         return
     # Each engine in a process of its own, alternating: two engines alive in one process run several
     # times slower (their OpenMP pools spin against each other), and the machine drifts between minutes.
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in LABELS}
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {label: [] for label in LABELS}
     for _ in range(ns.repeats):
         for label in LABELS:
             child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", label],
                                    check=True, capture_output=True, text=True)
             runs[label].append(json.loads(child.stdout.strip().splitlines()[-1]))
-    base = statistics.median(r["tok_s"] for r in runs["base"])
-    print(f"{'engine':14} {'out tok/s':>10} {'vs base':>8}   (64 requests x 128 in / 128 out, median of {ns.repeats})")
-    summary = {}
-    for label in LABELS:
-        tok_s = statistics.median(r["tok_s"] for r in runs[label])
-        summary[label] = {"tok_s": tok_s, "ratio": tok_s / base}
-        print(f"{label:14} {tok_s:10.1f} {tok_s / base:8.2f}")
+    print(f"{'workload':8} {'engine':14} {'out tok/s':>10} {'vs base':>8}   (median of {ns.repeats})")
+    summary: dict[str, dict[str, Any]] = {}
+    for workload in ("batch", "single"):
+        base = statistics.median(r[workload]["tok_s"] for r in runs["base"])
+        for label in LABELS:
+            tok_s = statistics.median(r[workload]["tok_s"] for r in runs[label])
+            summary.setdefault(workload, {})[label] = {"tok_s": tok_s, "ratio": tok_s / base}
+            print(f"{workload:8} {label:14} {tok_s:10.1f} {tok_s / base:8.2f}")
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
 

@@ -189,6 +189,21 @@ class SchedulerStats(_Message):
     step_time_s: float = 0.0
     forward_time_s: float = 0.0
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
+    lora: LoRAStats | None = None  # with --enable-lora
+
+
+class LoRAStats(_Message):
+    """The LoRA adapters of the running and the waiting requests, as vLLM's ``lora_requests_info`` shows them."""
+
+    max_loras: int
+    running: list[str]
+    waiting: list[str]
+
+    @classmethod
+    def total(cls, parts: Sequence[LoRAStats]) -> LoRAStats:
+        """Several engines' adapters as one (each engine's limit is the same)."""
+        return cls(parts[0].max_loras, sorted({n for p in parts for n in p.running}),
+                   sorted({n for p in parts for n in p.waiting}))
 
 
 class SpecDecodeStats(_Message):

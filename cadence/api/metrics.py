@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cadence.messages import RequestOutput, SchedulerStats, SpecDecodeStats
+from cadence.messages import LoRAStats, RequestOutput, SchedulerStats, SpecDecodeStats
 
 # vLLM's buckets.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -144,6 +144,20 @@ class _EngineCollector(Collector):
         spec = [s.spec_decode if s else None for s in stats]
         if any(spec):
             yield from self._spec_decode(spec, counter)
+        if any(s is not None and s.lora is not None for s in stats):
+            yield self._lora_info([s.lora if s else None for s in stats])
+
+    def _lora_info(self, loras: list[LoRAStats | None]) -> Metric:
+        """vLLM's ``lora_requests_info``: the adapters of the running and waiting requests, as labels
+        (comma-separated names), of a series whose value is 1."""
+        info = GaugeMetricFamily("cadence:lora_requests_info", "LoRA adapters of the running and waiting requests.",
+                                 labels=["model_name", "engine", "max_lora", "running_lora_adapters",
+                                         "waiting_lora_adapters"])
+        for rank, lora in enumerate(loras):
+            if lora is not None:
+                info.add_metric([self._model_name, str(rank), str(lora.max_loras), ",".join(lora.running),
+                                 ",".join(lora.waiting)], 1.0)
+        return info
 
     def _spec_decode(self, spec: list[SpecDecodeStats | None],
                      counter: Callable[[str, str, list[float]], Metric]) -> Iterator[Metric]:

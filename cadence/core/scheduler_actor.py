@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import anyio
@@ -31,6 +32,7 @@ from cadence.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ExecutorFailed,
+    LoRAStats,
     ModelRunnerOutput,
     SchedulerInbox,
     SchedulerStats,
@@ -196,6 +198,8 @@ class SchedulerActor(Actor[SchedulerInbox]):
             step_time_s=self.timing.total.wall_s,
             forward_time_s=self.timing.total.forward_s,
             spec_decode=None if scheduler.speculation is None else scheduler.speculation.stats(),
+            lora=None if self.lora is None else LoRAStats(scheduler.config.max_loras, _adapters(scheduler.running),
+                                                          _adapters(scheduler.waiting)),
         )
 
 
@@ -209,6 +213,11 @@ class SchedulerActor(Actor[SchedulerInbox]):
         except AdapterError as exc:
             return f"model: LoRA adapter {lora.lora_name!r}: {exc}"
         return None
+
+
+def _adapters(requests: Iterable[Request]) -> list[str]:
+    """The LoRA adapters ``requests`` run with, each once, by name."""
+    return sorted({name for r in requests if (name := r.lora_name) is not None})
 
 
 def request_error(request: EngineCoreRequest, vocab_size: int, max_model_len: int, kv_capacity: int) -> str | None:

@@ -34,7 +34,7 @@ from cadence.engine.routers.base import RouterContext, load_router, router_class
 from cadence.engine.zmq_client import ZmqCoreClient
 from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from cadence.lora_request import LoRARequest
-from cadence.messages import RequestOutput, SchedulerStats, SpecDecodeStats
+from cadence.messages import LoRAStats, RequestOutput, SchedulerStats, SpecDecodeStats
 from cadence.models.loader import load_hf_config, load_tokenizer
 from cadence.runtime.actor import run_actors
 from cadence.sampling_params import SamplingParams
@@ -305,6 +305,7 @@ def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     """Several engine cores' states as one: counts and times summed, KV cache usage weighted by pool size."""
     usable = [s.num_blocks - 1 for s in stats]
     spec = [s.spec_decode for s in stats if s.spec_decode is not None]
+    lora = [s.lora for s in stats if s.lora is not None]
     return SchedulerStats(
         num_running=sum(s.num_running for s in stats),
         num_waiting=sum(s.num_waiting for s in stats),
@@ -318,4 +319,5 @@ def _sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         step_time_s=sum(s.step_time_s for s in stats),
         forward_time_s=sum(s.forward_time_s for s in stats),
         spec_decode=SpecDecodeStats.total(spec) if spec else None,
+        lora=LoRAStats.total(lora) if lora else None,
     )

@@ -5,8 +5,9 @@ Each step the model runner tells :meth:`LoRAManager.prepare` which adapter each 
 runs with. An adapter not in a slot takes the slot used least recently by an adapter this step does
 not need (the scheduler admits at most ``--max-loras`` adapters among running requests, so one is
 always free), its weights read from the adapters kept loaded (``--max-cpu-loras``, least recently
-used dropped first) or else from disk. A step with adapter rows runs the layers from Python, where
-the layers' hooks add the deltas; a step without runs the model's fast path as before.
+used dropped first) or else from disk. A small step (decodes) runs the model's C++ decoder stack
+with the adapters' deltas added there; a large one, segmented by adapter, runs the layers from
+Python, where the layers' hooks add them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from cadence.lora.adapter import AdapterError, LoRAWeights, load_adapter
 from cadence.lora.layer_slots import LoRABatch, LoRASlots
 from cadence.lora_request import LoRARequest
+from cadence.models.decoder_stack import DecoderStack
 from cadence.models.llama import our_name
 
 # The decoder layers' projections, as cadence's models name them (q/k/v and gate/up fused).
@@ -49,7 +51,10 @@ class LoRAManager:
                          else LoRASlots(self.batch, module.part.size, [module.out_features]))
                 module.lora = slots
                 self.layers[name] = (module, slots)
-        self._stack = getattr(model, "decoder_stack", None)
+        # The model's C++ decoder stack, if it has one: it runs masked steps' deltas too, unless its
+        # kernels cannot read the slots' layout (oneDNN's).
+        self._stack: DecoderStack | None = getattr(model, "decoder_stack", None)
+        self._stack_runs_lora = True
         self._loaded: OrderedDict[int, RankAdapter] = OrderedDict()
         self._slot_ids: list[int | None] = [None] * config.max_loras
         self._slot_used = [0] * config.max_loras  # the step that last used each slot
@@ -63,16 +68,20 @@ class LoRAManager:
         """
         self._step += 1
         needed = {lora.lora_int_id: lora for lora in loras if lora is not None}
-        if self._stack is not None:
-            self._stack.enabled = not needed
         if not needed:
             self.batch.set(None)
+            if self._stack is not None:
+                self._stack.enabled, self._stack.lora_masks, self._stack.lora_slot = True, [], -1
             return
         if len(needed) > len(self._slot_ids):
             raise RuntimeError(f"a step with {len(needed)} LoRA adapters, above --max-loras {len(self._slot_ids)}")
         slots = {lora_id: self._slot_for(lora, needed) for lora_id, lora in needed.items()}
         per_request = np.array([-1 if lora is None else slots[lora.lora_int_id] for lora in loras], dtype=np.int64)
         self.batch.set(np.repeat(per_request, counts))
+        if self._stack is not None:  # a masked step runs in the C++ stack, a segmented one from Python
+            self._stack.enabled = self.batch.segments is None and self._stack_runs_lora
+            self._stack.lora_masks = self.batch.masks() if self._stack.enabled else []
+            self._stack.lora_slot = self.batch.only_slot
 
     def _slot_for(self, lora: LoRARequest, needed: dict[int, LoRARequest]) -> int:
         if lora.lora_int_id in self._slot_ids:
@@ -81,8 +90,11 @@ class LoRAManager:
             free = [s for s, held in enumerate(self._slot_ids) if held is None or held not in needed]
             slot = min(free, key=lambda s: (self._slot_ids[s] is not None, self._slot_used[s]))
             adapter = self._adapter(lora)
-            for name, (_, slots) in self.layers.items():
+            for name, (module, slots) in self.layers.items():
                 slots.load(slot, adapter.get(name, [None] * slots.num_parts))
+                if self._stack is not None:  # the C++ stack reads the slots' new (repacked) weights
+                    self._stack_runs_lora &= self._stack.set_lora(module, slots.packed, slots.num_parts,
+                                                                  self.config.max_lora_rank)
             self._slot_ids[slot] = lora.lora_int_id
         self._slot_used[slot] = self._step
         return slot

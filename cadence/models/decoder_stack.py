@@ -64,9 +64,13 @@ class DecoderStack:
         self._native = native
         self._dtype = dtype
         self._rotaries: list[RotaryEmbedding] = []  # each layer's (their tables grow while serving)
-        # Off for a step whose layers must run from Python: one with LoRA adapters, whose deltas the
-        # layers' hooks add (cadence/lora/manager.py).
+        self._natives: dict[ColumnParallelLinear | RowParallelLinear, Any] = {}  # each linear's C++ Linear
+        # LoRA adapters (cadence/lora/manager.py sets both per step): off for a step whose layers run
+        # from Python (a large one, segmented by adapter); the masks of a step with adapter rows,
+        # one per part count (1 to 3), or none.
         self.enabled = True
+        self.lora_masks: list[torch.Tensor] = []
+        self.lora_slot = -1  # a step all on one adapter: its slot (no masks)
 
     @classmethod
     def start(cls, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> DecoderStack | None:
@@ -96,6 +100,19 @@ class DecoderStack:
         self._native.add_layer(*native, weights[:count], weights[count:], eps, backend.scale,
                                backend.sliding_window or 0, backend.logits_soft_cap or 0.0, gemma)
         self._rotaries.append(parts.rotary)
+        self._natives.update(zip(parts.linears, native, strict=True))
+        return True
+
+    def set_lora(self, module: ColumnParallelLinear | RowParallelLinear,
+                 weights: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]],
+                 num_parts: int, rank: int) -> bool:
+        """Give ``module``'s C++ Linear its LoRA slots' weights (``LoRASlots.packed``: every slot's A
+        and B, and each slot's, plain or the bf16 GEMM's panels), of ``rank`` columns a part per slot;
+        False where the kernels cannot run them (oneDNN's layout)."""
+        a, b, slot_a, slot_b = weights
+        if any(w.is_mkldnn for w in (a, b, *slot_a, *slot_b)):
+            return False
+        self._natives[module].set_lora(a, b, slot_a, slot_b, num_parts, num_parts * rank)
         return True
 
     def runs(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -111,7 +128,8 @@ class DecoderStack:
         return cast(tuple[torch.Tensor, torch.Tensor], self._native.forward(
             h, positions, [r.cos for r in self._rotaries], [r.sin for r in self._rotaries],
             [k for k, _ in kv_caches], [v for _, v in kv_caches], [m.slot_mapping for m in meta],
-            [m.block_table for m in meta], [m.token_requests for m in meta], [m.token_seq_lens for m in meta]))
+            [m.block_table for m in meta], [m.token_requests for m in meta], [m.token_seq_lens for m in meta],
+            self.lora_masks, self.lora_slot))
 
 
 def _native_linear(module: ColumnParallelLinear | RowParallelLinear) -> Any | None:

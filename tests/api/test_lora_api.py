@@ -248,7 +248,7 @@ def test_unloading_under_load_loses_no_request(runtime_server: ServerProcess, sp
     """Streams on adapter x run on to their length after x is unloaded; a new request naming x gets 404."""
     num_streams, max_tokens = 4, 400
 
-    async def run() -> tuple[list[dict[str, Any]], httpx.Response, httpx.Response, int]:
+    async def run() -> tuple[list[dict[str, Any]], httpx.Response, httpx.Response, int, str]:
         async with httpx.AsyncClient(base_url=runtime_server.url, timeout=120) as client:
             loaded = await client.post("/v1/load_lora_adapter",
                                        json={"lora_name": "x", "lora_path": str(adapters["c"])})
@@ -281,12 +281,16 @@ def test_unloading_under_load_loses_no_request(runtime_server: ServerProcess, sp
 
             tasks = [asyncio.create_task(stream()) for _ in range(num_streams)]
             await asyncio.wait_for(started.wait(), 60)
+            metrics = (await client.get("/metrics")).text
             unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "x"})
             finished_at_unload = finished
             refused = await client.post("/v1/completions", json={"model": "x", "prompt": PROMPT, "max_tokens": 2})
-            return list(await asyncio.gather(*tasks)), unloaded, refused, finished_at_unload
+            return list(await asyncio.gather(*tasks)), unloaded, refused, finished_at_unload, metrics
 
-    results, unloaded, refused, finished_at_unload = asyncio.run(run())
+    results, unloaded, refused, finished_at_unload, metrics = asyncio.run(run())
+    # vLLM's lora_requests_info, while the four streams ran
+    assert ('cadence:lora_requests_info{engine="0",max_lora="2",model_name="tiny",running_lora_adapters="x",'
+            'waiting_lora_adapters=""} 1.0') in metrics
     assert unloaded.status_code == 200
     assert finished_at_unload == 0, "the streams ended before the unload: make them longer"
     check_error(spec, refused, 404, "model", "model_not_found")

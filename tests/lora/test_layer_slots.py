@@ -61,6 +61,17 @@ def test_a_large_grouped_step_runs_segmented_and_equals_the_masked_way() -> None
     torch.testing.assert_close(layer(x, torch.zeros(len(row_slots), sum(OUT))), _reference(x, interleaved, adapters))
 
 
+def test_a_small_step_all_on_one_adapter_runs_through_its_slot_alone() -> None:
+    batch, layer, adapters = _slots()
+    row_slots = np.array([2, 2, 2])
+    x = torch.randn(3, IN)
+    batch.set(row_slots)
+    assert batch.only_slot == 2 and batch.mask(3) is None
+    torch.testing.assert_close(layer(x, torch.zeros(3, sum(OUT))), _reference(x, row_slots, adapters))
+    batch.set(np.array([2, 2, -1]))  # a base-model row among them: masked
+    assert batch.only_slot == -1 and batch.mask(3) is not None
+
+
 def test_no_adapter_row_leaves_the_output_as_it_is() -> None:
     batch, layer, _ = _slots()
     out = torch.randn(5, sum(OUT))

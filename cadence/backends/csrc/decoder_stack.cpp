@@ -129,6 +129,46 @@ struct Linear : torch::CustomClassHolder {
     }
     return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
   }
+
+  // LoRA adapters' slots (cadence/lora/layer_slots.py: LoRASlots.packed): A of every slot
+  // [slots * width, K] and B [out_features, slots * width], and each slot's A [width, K] and B
+  // [out_features, width], each a plain weight or the bf16 GEMM's panels; ``lora_parts`` picks the
+  // step's mask of this layer's part count.
+  OptTensor lora_a, lora_b;
+  std::vector<at::Tensor> slot_a, slot_b;
+  int64_t lora_parts = 0, width = 0;
+
+  void set_lora(at::Tensor a, at::Tensor b, std::vector<at::Tensor> a_by_slot, std::vector<at::Tensor> b_by_slot,
+                int64_t parts, int64_t slot_width) {
+    TORCH_CHECK(parts >= 1 && parts <= 3, "Linear.set_lora: 1 to 3 parts");
+    TORCH_CHECK(a_by_slot.size() == b_by_slot.size(), "Linear.set_lora: an A and a B per slot");
+    lora_a = std::move(a);
+    lora_b = std::move(b);
+    slot_a = std::move(a_by_slot);
+    slot_b = std::move(b_by_slot);
+    lora_parts = parts;
+    width = slot_width;
+  }
+
+  // forward(x), plus the LoRA delta as LoRASlots.__call__ computes it: every row through slot
+  // ``slot`` (>= 0: a step all on one adapter), or through every slot masked to its own (``masks``:
+  // one per part count, 1 to 3), or none (no mask, no slot).
+  at::Tensor apply(const at::Tensor& x, const std::vector<at::Tensor>& masks, int64_t slot) const {
+    at::Tensor out = forward(x);
+    if (!lora_a) return out;
+    if (slot >= 0) {
+      TORCH_CHECK(slot < static_cast<int64_t>(slot_a.size()), "Linear.apply: no LoRA slot ", slot);
+      return out.add_(gemm(gemm(x, slot_a[slot], width), slot_b[slot], out_features));
+    }
+    if (masks.empty()) return out;
+    const int64_t columns = width * static_cast<int64_t>(slot_a.size());
+    const at::Tensor shrunk = gemm(x, *lora_a, columns).mul_(masks[lora_parts - 1]);
+    return out.add_(gemm(shrunk, *lora_b, out_features));
+  }
+
+  static at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, int64_t rows) {
+    return weight.dim() == 4 ? bf16_linear(x, weight, OptTensor(), rows) : at::linear(x, weight);
+  }
 };
 
 struct Layer {
@@ -183,7 +223,8 @@ struct DecoderStack : torch::CustomClassHolder {
                                              std::vector<at::Tensor> v_caches, std::vector<at::Tensor> slot_mappings,
                                              std::vector<at::Tensor> block_tables,
                                              std::vector<at::Tensor> token_requests,
-                                             std::vector<at::Tensor> token_seq_lens) const {
+                                             std::vector<at::Tensor> token_seq_lens,
+                                             std::vector<at::Tensor> lora_masks, int64_t lora_slot) const {
     const size_t n = layers.size();
     for (const auto* list : {&cos, &sin, &k_caches, &v_caches, &slot_mappings, &block_tables, &token_requests,
                              &token_seq_lens}) {
@@ -195,9 +236,9 @@ struct DecoderStack : torch::CustomClassHolder {
       if (layer.gemma) {
         const at::Tensor attended = attention(layer, norm(layer, h, layer.norms[0]), positions, cos[i], sin[i],
                                               k_caches[i], v_caches[i], slot_mappings[i], block_tables[i],
-                                              token_requests[i], token_seq_lens[i]);
+                                              token_requests[i], token_seq_lens[i], lora_masks, lora_slot);
         h = h + norm(layer, attended, layer.norms[1]);
-        h = h + norm(layer, mlp(layer, norm(layer, h, layer.norms[2])), layer.norms[3]);
+        h = h + norm(layer, mlp(layer, norm(layer, h, layer.norms[2]), lora_masks, lora_slot), layer.norms[3]);
         residual = h;
         continue;
       }
@@ -210,10 +251,10 @@ struct DecoderStack : torch::CustomClassHolder {
         add_rms_norm(x, residual, h, layer.norms[0], layer.eps);
       }
       const at::Tensor o = attention(layer, x, positions, cos[i], sin[i], k_caches[i], v_caches[i], slot_mappings[i],
-                                     block_tables[i], token_requests[i], token_seq_lens[i]);
+                                     block_tables[i], token_requests[i], token_seq_lens[i], lora_masks, lora_slot);
       const at::Tensor y = at::empty_like(o);
       add_rms_norm(y, residual, o, layer.norms[1], layer.eps);
-      h = mlp(layer, y);
+      h = mlp(layer, y, lora_masks, lora_slot);
     }
     return {h, residual};
   }
@@ -223,9 +264,10 @@ struct DecoderStack : torch::CustomClassHolder {
   at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                       const at::Tensor& token_requests, const at::Tensor& token_seq_lens) const {
+                       const at::Tensor& token_requests, const at::Tensor& token_seq_lens,
+                       const std::vector<at::Tensor>& lora_masks, int64_t lora_slot) const {
     const int64_t tokens = x.size(0), q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
-    const at::Tensor qkv = layer.qkv->forward(x);
+    const at::Tensor qkv = layer.qkv->apply(x, lora_masks, lora_slot);
     const at::Tensor q = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
@@ -238,20 +280,22 @@ struct DecoderStack : torch::CustomClassHolder {
     const at::Tensor attended = at::empty(q.sizes(), q.options());
     paged_attention(attended, q, k_cache, v_cache, block_table, token_requests, token_seq_lens, layer.scale,
                     layer.window, layer.soft_cap);
-    return layer.o->forward(attended.reshape({tokens, -1}));
+    return layer.o->apply(attended.reshape({tokens, -1}), lora_masks, lora_slot);
   }
 
   // The MLP (cadence/models/llama.py: MLP.forward): SiLU and the multiply as one kernel (Llama), or
   // GeLU-tanh of the gate times the up half in torch ops (Gemma).
-  static at::Tensor mlp(const Layer& layer, const at::Tensor& x) {
-    const at::Tensor gate_up = layer.gate_up->forward(x);
+  static at::Tensor mlp(const Layer& layer, const at::Tensor& x, const std::vector<at::Tensor>& lora_masks,
+                        int64_t lora_slot) {
+    const at::Tensor gate_up = layer.gate_up->apply(x, lora_masks, lora_slot);
     const int64_t half = gate_up.size(1) / 2;
     if (layer.gemma) {
-      return layer.down->forward(at::gelu(gate_up.narrow(1, 0, half), "tanh") * gate_up.narrow(1, half, half));
+      return layer.down->apply(at::gelu(gate_up.narrow(1, 0, half), "tanh") * gate_up.narrow(1, half, half),
+                               lora_masks, lora_slot);
     }
     const at::Tensor act = at::empty({x.size(0), half}, gate_up.options());
     silu_and_mul(act, gate_up);
-    return layer.down->forward(act);
+    return layer.down->apply(act, lora_masks, lora_slot);
   }
 };
 
@@ -260,7 +304,8 @@ struct DecoderStack : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
   m.class_<Linear>("Linear")
       .def(torch::init<int64_t, std::vector<at::Tensor>, OptTensor, std::vector<int64_t>, int64_t>())
-      .def("forward", &Linear::forward);
+      .def("forward", &Linear::forward)
+      .def("set_lora", &Linear::set_lora);
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t>())
       .def("add_layer", &DecoderStack::add_layer)
