@@ -23,14 +23,13 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from engine_runs import add_model_options, alternate
 from safetensors.torch import save_file
 
 from cadence import LLM, LoRARequest, SamplingParams
@@ -87,25 +86,12 @@ def measure(ns: argparse.Namespace, label: str) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--quantization", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three engines")
-    parser.add_argument("--only", choices=LABELS, help=argparse.SUPPRESS)  # one engine, in a child process
-    parser.add_argument("--output-json", default=None)
+    add_model_options(parser, LABELS)
     ns = parser.parse_args()
     if ns.only is not None:
         print(json.dumps(measure(ns, ns.only)))
         return
-    # Each engine in a process of its own, alternating: two engines alive in one process run several
-    # times slower (their OpenMP pools spin against each other), and the machine drifts between minutes.
-    runs: dict[str, list[dict[str, dict[str, float]]]] = {label: [] for label in LABELS}
-    for _ in range(ns.repeats):
-        for label in LABELS:
-            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", label],
-                                   check=True, capture_output=True, text=True)
-            runs[label].append(json.loads(child.stdout.strip().splitlines()[-1]))
+    runs = alternate(LABELS, ns.repeats)
     print(f"{'workload':8} {'engine':14} {'out tok/s':>10} {'vs base':>8}   (median of {ns.repeats})")
     summary: dict[str, dict[str, Any]] = {}
     for workload in ("batch", "single"):

@@ -22,11 +22,11 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from engine_runs import add_model_options, alternate
 
 from cadence import LLM, SamplingParams
 from cadence.messages import SpecDecodeStats
@@ -89,26 +89,13 @@ def measure(ns: argparse.Namespace, spec: str | None) -> dict[str, dict[str, Any
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--quantization", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-threads", type=int, default=None)
+    add_model_options(parser, ("off", "on"))
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 8}')
-    parser.add_argument("--repeats", type=int, default=3, help="engine pairs, off and on alternating")
-    parser.add_argument("--only", choices=["off", "on"], help=argparse.SUPPRESS)  # one engine, in a child process
-    parser.add_argument("--output-json", default=None)
     ns = parser.parse_args()
     if ns.only is not None:
         print(json.dumps(measure(ns, None if ns.only == "off" else ns.speculative_config)))
         return
-    # Each engine in a process of its own, off and on alternating: the machine drifts by 5-10% between
-    # minutes, and an engine that has stopped can still hold the cores for a while.
-    runs: dict[str, list[dict[str, dict[str, Any]]]] = {"off": [], "on": []}
-    for _ in range(ns.repeats):
-        for label in ("off", "on"):
-            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", label],
-                                   check=True, capture_output=True, text=True)
-            runs[label].append(json.loads(child.stdout.strip().splitlines()[-1]))
+    runs: dict[str, list[dict[str, dict[str, Any]]]] = alternate(("off", "on"), ns.repeats)
     print(f"{'workload':8} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7} {'drafted':>8} {'accepted':>9}")
     summary = {}
     for name in runs["off"][0]:

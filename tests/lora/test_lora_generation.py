@@ -137,3 +137,18 @@ def test_tensor_parallel_ranks_hold_their_shards_of_each_adapter(
     got = _tokens(tp.generate([p for p, _ in batch], GREEDY, lora_request=[lora for _, lora in batch], use_tqdm=False))
     tp.shutdown()
     assert got == [references[None if lora is None else lora.lora_name][PROMPTS.index(p)] for p, lora in batch]
+
+
+def test_adapters_verify_speculative_drafts_with_their_own_weights(
+        family: tuple[Path, list[LoRARequest]], references: dict[str | None, list[list[int]]]) -> None:
+    """n-gram drafts verified in an adapter's rows (drafts are rows of the step like any other)."""
+    spec = LLM(model=str(family[0]), dtype="float32", num_threads=1, enable_lora=True, max_loras=3, max_lora_rank=8,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "disable_by_batch_size": 64})
+    loras: list[LoRARequest | None] = [*family[1], None]
+    batch = [(prompt, lora) for prompt in PROMPTS for lora in loras]
+    got = _tokens(spec.generate([p for p, _ in batch], GREEDY, lora_request=[lora for _, lora in batch],
+                                use_tqdm=False))
+    stats = spec.engine_core.scheduler.speculation
+    assert stats is not None and stats.stats().num_draft_tokens > 0
+    assert got == [references[None if lora is None else lora.lora_name][PROMPTS.index(p)] for p, lora in batch]
