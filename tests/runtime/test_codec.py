@@ -22,7 +22,7 @@ PARAMS = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, se
                         structured_outputs=StructuredOutputsParams(json=SCHEMA))
 LOGPROBS = m.TokenLogprobs([5, 5, 9], [-0.125, -0.125, -2.5], sampled_rank=1)
 STATS = m.SchedulerStats(2, 1, 0.25, 30, 40, 512, 128, 3, num_steps=9, step_time_s=0.5, forward_time_s=0.25,
-                         spec_decode=m.SpecDecodeStats(4, 10, 6, 10, [3, 2, 1, 0]))
+                         spec_decode=m.SpecDecodeStats(4, 10, 6, 10, [3, 2, 1, 0]), lora=m.LoRAStats(2, ["a"], []))
 BITMASK = torch.tensor([[-1, 0, 5], [2**31 - 1, -(2**31), 1]], dtype=torch.int32)
 
 STEP = m.SchedulerOutput(
