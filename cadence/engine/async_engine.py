@@ -243,7 +243,8 @@ class AsyncEngine:
     def _route(self, request: PreparedRequest) -> CoreFrontEnd:
         if self._router is None:
             return self.cores[0]
-        return self.cores[self._router.choose([c.load for c in self.cores], request.prompt_token_ids)]
+        salt = None if request.lora_request is None else request.lora_request.cache_salt
+        return self.cores[self._router.choose_salted([c.load for c in self.cores], request.prompt_token_ids, salt)]
 
 
 def _prepared(engine: AsyncEngine, prompt: Prompt | PreparedRequest, params: SamplingParams | None

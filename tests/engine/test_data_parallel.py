@@ -109,9 +109,13 @@ def test_removed_and_cleared_blocks_stop_attracting() -> None:
     assert r.matched_blocks([*PROMPT, 7]) == [1, 0]
 
 
+SALTS = [None, "lora:1:a"]
+
+
 def test_the_router_sees_what_the_allocator_caches() -> None:
-    """Random admissions, frees and evictions on a small pool, the events folded into deltas at
-    random points: the router's prefix match always equals the allocator's own lookup."""
+    """Random admissions, frees and evictions on a small pool, some under a LoRA adapter's salt, the
+    events folded into deltas at random points: the router's prefix match always equals the
+    allocator's own lookup, salted or not."""
     rng = random.Random(0)
     alloc = KVAllocator(num_blocks=12, block_size=BS, enable_kv_events=True)
     r = router(1)
@@ -122,7 +126,7 @@ def test_the_router_sees_what_the_allocator_caches() -> None:
         if live and (rng.random() < 0.4 or len(live) > 2):
             alloc.free(live.pop(rng.randrange(len(live))))
         else:
-            request = FakeRequest(f"r{step}", prompts[rng.randrange(len(prompts))])
+            request = FakeRequest(f"r{step}", prompts[rng.randrange(len(prompts))], cache_salt=rng.choice(SALTS))
             hit_ids, num_hit = alloc.get_computed_blocks(request)
             if alloc.allocate(request, request.num_tokens - num_hit, hit_ids, num_hit) is None:
                 alloc.free(request.request_id)
@@ -134,9 +138,22 @@ def test_the_router_sees_what_the_allocator_caches() -> None:
             if delta is not None:
                 r.apply(0, delta)
             for i, prompt in enumerate(prompts):
-                probe = FakeRequest(f"probe{step}-{i}", prompt)
-                assert r.matched_blocks(prompt)[0] * BS == alloc.get_computed_blocks(probe)[1]
-                alloc.free(probe.request_id)
+                for salt in SALTS:
+                    probe = FakeRequest(f"probe{step}-{i}", prompt, cache_salt=salt)
+                    assert r.matched_blocks(prompt, salt)[0] * BS == alloc.get_computed_blocks(probe)[1]
+                    alloc.free(probe.request_id)
+
+
+def test_an_adapter_s_prompt_follows_the_engine_that_cached_it_under_that_adapter() -> None:
+    salted = []
+    for i in range(5):
+        salt = ("lora:1:a",) if i == 0 else ()
+        salted.append(hash_block(salted[-1] if salted else None, PROMPT[i * BS:(i + 1) * BS], salt))
+    r = router()
+    r.apply(1, KVCacheDelta(stored=salted, removed=[]))
+    assert r.choose_salted([1, 2], PROMPT, "lora:1:a") == 1
+    assert r.choose_salted([1, 2], PROMPT, "lora:2:b") == 0  # another adapter's blocks: least loaded
+    assert r.choose([1, 2], PROMPT) == 0  # the base model's too
 
 
 def test_folding_keeps_the_net_effect_in_order() -> None:

@@ -46,6 +46,11 @@ class Router(abc.ABC):
     def choose(self, loads: Sequence[float], prompt_token_ids: Sequence[int]) -> int:
         """The rank of the engine for a request with this prompt, given each engine's load."""
 
+    def choose_salted(self, loads: Sequence[float], prompt_token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """:meth:`choose` for a request whose prefix-cache blocks the engines salt with ``cache_salt``
+        (its LoRA adapter's; None: unsalted). A router that ignores prefixes need not override it."""
+        return self.choose(loads, prompt_token_ids)
+
     @property
     def observes_prefix_caches(self) -> bool:
         """Whether :meth:`apply` should be told what each engine's prefix cache stores and drops."""

@@ -41,17 +41,21 @@ class PrefixAwareRouter(Router):
 
     def choose(self, loads: Sequence[float], prompt_token_ids: Sequence[int]) -> int:
         """The rank of the engine for a request with this prompt, given each engine's load."""
+        return self.choose_salted(loads, prompt_token_ids, None)
+
+    def choose_salted(self, loads: Sequence[float], prompt_token_ids: Sequence[int], cache_salt: str | None) -> int:
         least = min(loads)
         if self.context.prefix_caching:
-            matched = self.matched_blocks(prompt_token_ids)
+            matched = self.matched_blocks(prompt_token_ids, cache_salt)
             if any(matched):
                 bound = least + max(self.slack, self.slack_ratio * least)
                 eligible = [e for e in range(self.context.num_engines) if loads[e] <= bound]
                 return max(eligible, key=lambda e: (matched[e], -loads[e], -e))
         return loads.index(least)
 
-    def matched_blocks(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        """Per engine, how many of the prompt's leading full blocks its prefix cache holds.
+    def matched_blocks(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        """Per engine, how many of the prompt's leading full blocks its prefix cache holds (blocks
+        whose first one is salted with ``cache_salt``, as the allocator salts a LoRA adapter's).
 
         Like the allocator's lookup, the last prompt token is never counted as cached. Hashing stops
         at the first block no engine holds, so a prompt nobody has seen costs one hash.
@@ -61,7 +65,8 @@ class PrefixAwareRouter(Router):
         holders = list(range(self.context.num_engines))
         parent: int | None = None
         for i in range((len(prompt_token_ids) - 1) // bs):
-            parent = hash_block(parent, list(prompt_token_ids[i * bs:(i + 1) * bs]))
+            salt = (cache_salt,) if i == 0 and cache_salt else ()
+            parent = hash_block(parent, list(prompt_token_ids[i * bs:(i + 1) * bs]), salt)
             holders = [e for e in holders if parent in self._cached[e]]
             if not holders:
                 break
