@@ -33,6 +33,12 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tu
     return int.from_bytes(digest[:8], "little")
 
 
+def salt_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...]:
+    """The extra keys of a request's block ``block_index``: its cache salt (a LoRA adapter's) in the
+    first block only, whose hash then carries it down the chain to every later block."""
+    return (cache_salt,) if block_index == 0 and cache_salt else ()
+
+
 class KVRequest(Protocol):
     """The part of a request the allocator reads; :class:`cadence.request.RequestView` has it."""
 

@@ -44,6 +44,7 @@ from cadence.core.block_pool import (
     RequestBlocks,
     check_tables,
     hash_block,
+    salt_keys,
 )
 from cadence.core.kv_events import BlockRemoved, stored_events
 
@@ -316,9 +317,9 @@ class KVAllocator(PoolViews):
         bs = self._block_size
         tokens = request.all_token_ids
         parent = hashes[-1] if hashes else None
+        salt = request.cache_salt
         for i in range(len(hashes), n):
-            salt = request.cache_salt  # in the first block only: the chain carries it on
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], (salt,) if i == 0 and salt else ())
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], salt_keys(i, salt))
             hashes.append(parent)
 
     def _cache_full_blocks(self, request: KVRequest, state: RequestBlocks, num_full: int) -> None:

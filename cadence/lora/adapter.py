@@ -7,7 +7,8 @@ are named ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_
 
 cadence adapts the decoder layers' seven projections (q/k/v/o, gate/up/down: docs/lora.md). An
 adapter that needs anything else (embeddings, the LM head, ``modules_to_save``, DoRA, biases) is
-refused when it is registered or first requested, with the reason, never in the engine core.
+refused when it is registered or first requested, with the reason; the engine core checks again and
+answers such a request with an error, so no worker ever fails to read one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
+
+from cadence.models.layers import head_dim_of
 
 # The projections an adapter may target, by the module's last name.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -48,8 +51,7 @@ class AdapterLimits:
 
     @classmethod
     def of(cls, hf_config: PretrainedConfig, max_rank: int) -> AdapterLimits:
-        hidden = hf_config.hidden_size
-        head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
+        hidden, head_dim = hf_config.hidden_size, head_dim_of(hf_config)
         q, kv = hf_config.num_attention_heads * head_dim, hf_config.num_key_value_heads * head_dim
         inter = hf_config.intermediate_size
         shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
@@ -87,17 +89,16 @@ def _check_cached(path: str, stamp: tuple[int, int], limits: AdapterLimits) -> N
     _read_config(Path(path))
     with safe_open(Path(path) / WEIGHTS_FILE, framework="pt") as f:
         shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
-    pairs = _pairs(shapes)
-    for module, (a_shape, b_shape) in pairs.items():
+    targets = dict(limits.shapes)
+    for module, (a_shape, b_shape) in _pairs(shapes).items():
         match = _KEY.fullmatch(module + ".lora_A.weight")
         assert match is not None  # _pairs keeps only names it matched
         kind, layer = match["kind"], int(match["layer"])
         if layer >= limits.num_layers:
             raise AdapterError(f"{module}: the model has {limits.num_layers} layers")
-        shapes = dict(limits.shapes)
-        if kind not in shapes:
+        if kind not in targets:
             raise AdapterError(f"{module}: cadence adapts no {kind} of this model (its MLPs are a mixture of experts)")
-        rank, (fan_in, fan_out) = a_shape[0], shapes[kind]
+        rank, (fan_in, fan_out) = a_shape[0], targets[kind]
         if a_shape != (rank, fan_in) or b_shape != (fan_out, rank):
             raise AdapterError(f"{module}: lora_A {list(a_shape)} and lora_B {list(b_shape)} do not fit a "
                                f"[{fan_out}, {fan_in}] projection (is the adapter for another model?)")

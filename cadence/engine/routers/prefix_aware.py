@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cadence.core.block_pool import hash_block
+from cadence.core.block_pool import hash_block, salt_keys
 from cadence.engine.routers.base import Router, RouterContext
 from cadence.messages import KVCacheDelta
 
@@ -65,8 +65,7 @@ class PrefixAwareRouter(Router):
         holders = list(range(self.context.num_engines))
         parent: int | None = None
         for i in range((len(prompt_token_ids) - 1) // bs):
-            salt = (cache_salt,) if i == 0 and cache_salt else ()
-            parent = hash_block(parent, list(prompt_token_ids[i * bs:(i + 1) * bs]), salt)
+            parent = hash_block(parent, list(prompt_token_ids[i * bs:(i + 1) * bs]), salt_keys(i, cache_salt))
             holders = [e for e in holders if parent in self._cached[e]]
             if not holders:
                 break
