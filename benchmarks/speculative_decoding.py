@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram) against decoding one token a step, in the same run.
+"""Speculative decoding (n-gram, or a draft model) against decoding one token a step, in the same run.
 
 Three workloads, each run without and with ``--speculative-config`` (two engines, one after the
 other, the same requests; a warm-up request first):
@@ -14,6 +14,8 @@ Each engine runs in a process of its own, off and on alternating ``--repeats`` t
 median output tokens/s of each, the ratio, and the acceptance counts. A benchmark, never a test:
 
     python benchmarks/speculative_decoding.py [--quantization none --dtype bfloat16 --num-threads 2]
+    python benchmarks/speculative_decoding.py --draft-layers 8 \
+        --speculative-config '{"num_speculative_tokens": 4, "quantization": "int8"}'
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from typing import Any
 from engine_runs import add_model_options, alternate
 
 from cadence import LLM, SamplingParams
+from cadence.config import cache_dir
 from cadence.messages import SpecDecodeStats
+from cadence.models.loader import resolve_model
+from cadence.models.truncation import truncate_model
 
 DATA = Path(__file__).parent / "data" / "copy_heavy"
 RENAMES = {"ngram_proposer.py.txt": ("NgramProposer", "PromptLookup"), "clock.py.txt": ("WallClock", "SystemClock"),
@@ -87,11 +92,28 @@ def measure(ns: argparse.Namespace, spec: str | None) -> dict[str, dict[str, Any
     return results
 
 
+def draft_config(ns: argparse.Namespace) -> dict[str, Any]:
+    """``--speculative-config`` with the model's first ``--draft-layers`` layers as its draft model."""
+    folder = resolve_model(ns.model)
+    dest = cache_dir() / "drafts" / f"{Path(folder).name}-{ns.draft_layers}-layers"
+    if not (dest / "model.safetensors").is_file():
+        truncate_model(folder, dest, ns.draft_layers)
+    config = {**json.loads(ns.speculative_config), "method": "draft_model", "model": str(dest)}
+    config.pop("prompt_lookup_min", None)
+    config.pop("prompt_lookup_max", None)
+    return config
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_options(parser, ("off", "on"))
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 8}')
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="draft with the model's first N layers instead (a draft_model built once in cadence's "
+                             "cache; --speculative-config then gives its other keys)")
     ns = parser.parse_args()
+    if ns.draft_layers is not None:
+        ns.speculative_config = json.dumps(draft_config(ns))
     if ns.only is not None:
         print(json.dumps(measure(ns, None if ns.only == "off" else ns.speculative_config)))
         return

@@ -105,7 +105,9 @@ class SchedulerConfig:
         _require(self.target_itl_ms >= 0, f"target_itl_ms must be >= 0, got {self.target_itl_ms}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# --speculative-config's keys that take text; the others take integers.
+_SPECULATIVE_TEXT_KEYS = ("method", "model", "quantization")
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,12 @@ class SpeculativeConfig:
     """Speculative decoding, as vLLM's ``--speculative-config`` takes it (docs/speculative_decoding.md).
 
     ``ngram`` drafts the tokens that followed the latest earlier occurrence of the sequence's last
-    ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens, in its prompt and output. Drafting
-    stops while more than ``disable_by_batch_size`` requests run: a large batch is no longer bound by
-    reading the weights, and verifying drafts then costs throughput.
+    ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens, in its prompt and output.
+    ``draft_model`` drafts with a second, smaller ``model`` (a folder, ``.gguf`` file or alias, as
+    ``--model`` takes; its weights kept as ``quantization`` says) that shares the target's
+    vocabulary: its greedy continuation. Drafting stops while more than ``disable_by_batch_size``
+    requests run: a large batch is no longer bound by reading the weights, and verifying drafts then
+    costs throughput.
     """
 
     method: str = "ngram"
@@ -123,6 +128,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 8
+    model: str | None = None
+    quantization: str = "auto"
+    # The draft model resolved (EngineArgs.create_config): not a key users give.
+    draft: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS,
@@ -134,6 +143,9 @@ class SpeculativeConfig:
                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         _require(self.disable_by_batch_size >= 1,
                  f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
+        _require((self.model is not None) == (self.method == "draft_model"),
+                 "--speculative-config: method 'draft_model' needs a 'model' (the draft's path), "
+                 "and only it takes one")
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
@@ -150,12 +162,15 @@ class SpeculativeConfig:
                 raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
         if not isinstance(value, Mapping):
             raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"draft"}
         unknown = sorted(set(value) - known)
         _require(not unknown, f"--speculative-config does not take {unknown}; it takes {sorted(known)}")
         for key, item in value.items():
-            _require(key == "method" or (isinstance(item, int) and not isinstance(item, bool)),
-                     f"--speculative-config: {key} must be an integer, got {item!r}")
+            if key in _SPECULATIVE_TEXT_KEYS:
+                _require(isinstance(item, str), f"--speculative-config: {key} must be a string, got {item!r}")
+            else:
+                _require(isinstance(item, int) and not isinstance(item, bool),
+                         f"--speculative-config: {key} must be an integer, got {item!r}")
         return cls(**value)
 
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Literal
+
+from transformers import PretrainedConfig
 
 from cadence.config import (
     QUANTIZATIONS,
     CacheConfig,
+    ConfigError,
     DeviceConfig,
     EngineConfig,
     LoRAConfig,
@@ -130,14 +133,14 @@ class EngineArgs:
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum of {model_max_len}")
+        model = ModelConfig(path=path, dtype=resolve_dtype(self.dtype), max_model_len=max_model_len, seed=self.seed,
+                            quantization=quantization, gguf_file=gguf_file, enforce_eager=self.enforce_eager)
         batched = self.max_num_batched_tokens
         if batched is None:
             budget = DEFAULT_TOKEN_BUDGET[self.usage_context]
             batched = budget if self.enable_chunked_prefill else max(budget, max_model_len)
         return EngineConfig(
-            model=ModelConfig(path=path, dtype=resolve_dtype(self.dtype), max_model_len=max_model_len,
-                              seed=self.seed, quantization=quantization,
-                              gguf_file=gguf_file, enforce_eager=self.enforce_eager),
+            model=model,
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory=None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory),
@@ -162,9 +165,35 @@ class EngineArgs:
                                     distributed_executor_backend=self.distributed_executor_backend),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
                                 attention_backend=self.attention_backend),
-            speculative=speculative,
+            speculative=with_draft_model(speculative, model, hf_config, self.device),
             lora=lora,
         )
+
+
+def with_draft_model(speculative: SpeculativeConfig | None, target: ModelConfig, target_hf: PretrainedConfig,
+                     device: str) -> SpeculativeConfig | None:
+    """``speculative`` with its draft model resolved as the target's is (converted once from a GGUF
+    file), in the target's dtype.
+
+    :raises ConfigError: the draft's architecture does not run here, its vocabulary is not the
+        target's (its tokens would mean other words), or it cannot reach the target's context length.
+    """
+    if speculative is None or speculative.model is None:
+        return speculative
+    path = resolve_model(speculative.model)
+    gguf_file = gguf_file_of(speculative.model)
+    hf_config = load_hf_config(path)
+    check_supported(architectures_of(hf_config), f"draft model {path}")
+    if hf_config.vocab_size != target_hf.vocab_size:
+        raise ConfigError(f"draft model {path} has a vocabulary of {hf_config.vocab_size} tokens, the model "
+                          f"{target_hf.vocab_size}: a draft must share the model's tokenizer")
+    if max_model_len_of(hf_config) < target.max_model_len:
+        raise ConfigError(f"draft model {path} runs at most {max_model_len_of(hf_config)} positions, fewer than "
+                          f"max_model_len {target.max_model_len}: lower --max-model-len")
+    draft = ModelConfig(path=path, dtype=target.dtype, max_model_len=target.max_model_len, seed=target.seed,
+                        quantization=resolve_quantization(speculative.quantization, gguf_file, device),
+                        gguf_file=gguf_file, enforce_eager=target.enforce_eager)
+    return replace(speculative, draft=draft)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -82,6 +82,9 @@ class SchedulerOutput(_Message):
     # Speculative decoding: the drafted tokens each request's scheduled tokens end with (after its
     # last sampled token), to be verified in this step (docs/speculative_decoding.md).
     spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # How many drafts to propose after this step for each request that samples in it (the
+    # scheduler's back-off; absent: none, so a draft model is not run for drafts nobody verifies).
+    draft_counts: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -130,6 +133,7 @@ class ModelRunnerOutput(_Message):
     # For requests that asked for them, whatever prompt positions this step computed.
     prompt_logprobs: list[PromptLogprobs] | None = None
     forward_time_s: float = 0.0  # the model's forward pass, for the engine's step timing
+    draft_time_s: float = 0.0  # proposing draft_token_ids (a draft model's forwards), within the step
 
 
 class ExecutorFailed(_Message):

@@ -90,6 +90,8 @@ class Drafts:
     accepted: float = 2.0
     tried: float = 3.0
     paused_steps: int = 0
+    # How long the last pause between probes lasted (0: none since a draft was last accepted).
+    pause: int = 0
 
 
 class Request:

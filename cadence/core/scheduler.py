@@ -276,12 +276,12 @@ class Scheduler:
         step.take(request, num, blocks, hit_tokens)
         return None
 
-    def observe_step_time(self, seconds: float) -> None:
-        """How long the step :meth:`schedule` built last took (wall or modelled), for the ITL target's model."""
+    def observe_step_time(self, seconds: float, draft_seconds: float = 0.0) -> None:
+        """How long the last step took (wall or modelled), ``draft_seconds`` of it proposing drafts."""
         if self.step_budget is not None and self._last_shape is not None:
             self.step_budget.observe(self._last_shape, seconds)
         if self.speculation is not None:
-            self.speculation.observe(self._last_num_tokens, seconds)
+            self.speculation.observe(self._last_num_tokens, seconds, draft_seconds)
 
     def _prefix_hit(self, request: Request) -> tuple[list[list[int]], int]:
         """The request's prefix-cache hit; none for one that wants its prompt's logprobs, whose
@@ -355,7 +355,7 @@ class Scheduler:
             preempted_request_ids=preempted_ids,
             grammar_bitmask=None if grammars is None else grammars.step_bitmask(step.scheduled, self.requests),
             spec_token_ids={rid: self.requests[rid].drafts.token_ids[:n] for rid, n in step.drafts.items()},
-        )
+            draft_counts={} if self.speculation is None else self.speculation.draft_counts(step, self.requests))
         self._finished_since_last_step = []
         return output
 

@@ -166,7 +166,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
             output.queue_time_s = self._first_scheduled.pop(output.request_id, None)
         self._pending.extend(outputs)
         wall_s = time.perf_counter() - started
-        self.scheduler.observe_step_time(wall_s)
+        self.scheduler.observe_step_time(wall_s, message.draft_time_s)
         self.timing.record(len(step.num_scheduled_tokens), wall_s, message.forward_time_s)
 
     def _heartbeat_due(self) -> bool:

@@ -21,6 +21,7 @@ from cadence.backends.base import AttentionBackend, BatchLayout
 from cadence.executor.sampler import Sampler, apply_grammar_bitmask
 from cadence.executor.sampling_plan import SamplingRow
 from cadence.executor.speculation import Drafter, verify
+from cadence.executor.step_layout import step_layout
 from cadence.lora.manager import LoRAManager
 from cadence.lora_request import LoRARequest
 from cadence.messages import ModelRunnerOutput, NewRequestData, PromptLogprobs, SchedulerOutput
@@ -134,7 +135,6 @@ class ModelRunner:
         self.backend = backend
         self.kv_caches = kv_caches
         self.layer_groups = layer_groups or [0] * len(kv_caches)
-        self.num_groups = max(self.layer_groups) + 1
         self.block_size = block_size
         self.device = device
         self.sampler = sampler or Sampler()
@@ -168,6 +168,9 @@ class ModelRunner:
                 apply_grammar_bitmask(logits, row_ids, scheduler_output.grammar_bitmask)
             sampled = self.sampler(logits, rows)
         verified = verify(inputs.sampled_states, inputs.drafts, sampled)
+        draft_start = time.perf_counter()
+        drafts = None if self.drafter is None else self.drafter.propose(inputs.sampled_states,
+                                                                         scheduler_output.draft_counts)
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
             request_ids=[s.request_id for s in inputs.sampled_states],
@@ -176,7 +179,8 @@ class ModelRunner:
             forward_time_s=forward_time,
             prompt_logprobs=prompt_logprobs,
             num_accepted_drafts=verified.num_accepted if scheduler_output.spec_token_ids else None,
-            draft_token_ids=None if self.drafter is None else self.drafter.propose(inputs.sampled_states),
+            draft_token_ids=drafts,
+            draft_time_s=time.perf_counter() - draft_start,
         )
 
     def _prompt_logprobs(self, logits: torch.Tensor, inputs: StepInputs) -> list[PromptLogprobs]:
@@ -194,6 +198,8 @@ class ModelRunner:
             self.states.pop(request_id, None)
         for request_id in out.preempted_request_ids:
             self.states.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget([*out.finished_request_ids, *out.preempted_request_ids])
         for new in out.new_requests:
             self.states[new.request_id] = CachedRequestState.from_new(new)
         for cached in out.cached_requests:
@@ -208,64 +214,38 @@ class ModelRunner:
         if self.lora is not None:  # each adapter's rows together: a large step runs them as slices
             order.sort(key=lambda request_id: _adapter_key(self.states[request_id]))
         counts = np.fromiter((out.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start_loc[1:])
-        seq_lens = np.empty(num_reqs, dtype=np.int64)
+        states = [self.states[request_id] for request_id in order]
+        starts = np.fromiter((state.num_computed_tokens for state in states), dtype=np.int64, count=num_reqs)
+        layout = step_layout([state.block_ids for state in states], starts, counts, self.block_size)
         input_ids: list[int] = []
         sampled_states: list[CachedRequestState] = []
         step_drafts: list[list[int]] = []
         logits_indices: list[int] = []
         prompt = PromptRows()
-        states = [self.states[request_id] for request_id in order]
         if self.lora is not None:
             self.lora.prepare([state.lora_request for state in states], counts)
         for i, state in enumerate(states):
             start = state.num_computed_tokens
             end = start + int(counts[i])
-            seq_lens[i] = end
             drafts = out.spec_token_ids.get(state.request_id, [])
             input_ids.extend(state.token_slice(start, end - len(drafts)))
             input_ids.extend(drafts)
-            prompt.add(state, int(query_start_loc[i]), start, end)
+            prompt.add(state, int(layout.query_start_loc[i]), start, end)
             if end == state.num_tokens + len(drafts):
                 sampled_states.append(state)
                 step_drafts.append(drafts)
-                last = int(query_start_loc[i + 1])
+                last = int(layout.query_start_loc[i + 1])
                 logits_indices.extend(range(last - 1 - len(drafts), last))
             state.num_computed_tokens = end  # verify() takes back the rejected drafts
-        # Positions run from each request's first new token to its last.
-        positions = np.arange(int(query_start_loc[-1]), dtype=np.int64) - np.repeat(
-            query_start_loc[:-1] - (seq_lens - counts), counts)
-        query_start = torch.from_numpy(query_start_loc.astype(np.int32))
-        lens = torch.from_numpy(seq_lens.astype(np.int32))
-        max_query_len, max_seq_len = int(counts.max()), int(seq_lens.max())
-        layouts = [BatchLayout(query_start, lens, block_table, slot_mapping, max_query_len, max_seq_len)
-                   for block_table, slot_mapping in self._slots(states, counts, positions)]
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.from_numpy(positions).to(self.device),
-            layouts=layouts,
+            positions=torch.from_numpy(layout.positions).to(self.device),
+            layouts=layout.layouts,
             logits_indices=torch.tensor(logits_indices + prompt.rows, dtype=torch.long, device=self.device),
             sampled_states=sampled_states,
             drafts=step_drafts,
             prompt=prompt,
         )
-
-    def _slots(self, states: list[CachedRequestState], counts: np.ndarray,
-               positions: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each KV cache group's block table (padded with the null block) and the step's slots in it."""
-        bs = self.block_size
-        req_index = np.repeat(np.arange(len(states)), counts)
-        block_index, offsets = positions // bs, positions % bs
-        tables = []
-        for group in range(self.num_groups):
-            block_table = np.zeros((len(states), max(1, max(len(s.block_ids[group]) for s in states))), dtype=np.int32)
-            for i, state in enumerate(states):
-                ids = state.block_ids[group]
-                block_table[i, :len(ids)] = ids
-            slot_mapping = block_table[req_index, block_index].astype(np.int64) * bs + offsets
-            tables.append((torch.from_numpy(block_table), torch.from_numpy(slot_mapping)))
-        return tables
 
 
 def _adapter_key(state: CachedRequestState) -> int:

@@ -4,9 +4,10 @@ A speculating request's step computes its last sampled token and its ``k`` draft
 those ``k + 1`` positions are sampled as ``k + 1`` ordinary rows, row ``i`` seeing drafts ``0..i-1``
 as outputs (penalties, per-position seeds). Drafts are accepted while each equals the token its
 position sampled; the first that differs is replaced by that sample (or, all accepted, the last
-row's sample is a bonus token). The drafts are point guesses (the n-gram proposer's), and for a
-point guess this is exactly rejection sampling: a draft ``d`` is kept with probability ``p(d)``, and
-on rejection the token is drawn from ``p`` without ``d``, renormalised. So greedy output is
+row's sample is a bonus token). The drafts are point guesses (the n-gram proposer's, or the draft
+model's greedy tokens), and for a point guess this is exactly rejection sampling: a draft ``d`` is
+kept with probability ``p(d)``, and on rejection the token is drawn from ``p`` without ``d``,
+renormalised. So greedy output is
 token-identical to decoding one token at a time, a seeded request's too (each position draws from
 the seed of its output index), and any other keeps the target distribution
 (docs/speculative_decoding.md).
@@ -14,11 +15,12 @@ the seed of its output index), and any other keeps the target distribution
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from cadence.config import SpeculativeConfig
+from cadence.executor.draft_model import DraftModelProposer
 from cadence.executor.ngram_proposer import NgramProposer
 from cadence.executor.sampler import SamplerOutput
 from cadence.messages import TokenLogprobs
@@ -29,6 +31,8 @@ class DraftingState(Protocol):
 
     num_computed_tokens: int
 
+    @property
+    def request_id(self) -> str: ...
     @property
     def prompt_token_ids(self) -> list[int]: ...
     @property
@@ -71,17 +75,25 @@ def verify(states: Sequence[DraftingState], drafts: Sequence[list[int]], sampled
 
 
 class Drafter:
-    """Proposes each sampled request's drafts for the next step (the scheduler decides how many run,
-    and cuts a constrained request's at the first its grammar refuses). A batch of more than
-    ``disable_by_batch_size`` requests drafts nothing, as the scheduler then verifies none.
-    """
+    """Proposes each sampled request's drafts for the next step, as many as the scheduler asks
+    (``SchedulerOutput.draft_counts``; it decides how many are verified, and cuts a constrained
+    request's at the first its grammar refuses): the n-gram proposer's, or the draft model's when one
+    is given, which then runs only for the requests asked."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
-                                      config.num_speculative_tokens)
-        self.max_batch = config.disable_by_batch_size
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModelProposer | None = None) -> None:
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+        self.draft_model = draft_model
 
-    def propose(self, states: Sequence[DraftingState]) -> list[list[int]]:
-        if len(states) > self.max_batch:
-            return [[] for _ in states]
-        return [self.proposer.propose(state.prompt_token_ids + state.output_token_ids) for state in states]
+    def propose(self, states: Sequence[DraftingState], counts: Mapping[str, int]) -> list[list[int]]:
+        wanted = [(state.request_id, state.prompt_token_ids + state.output_token_ids, counts[state.request_id])
+                  for state in states if counts.get(state.request_id)]
+        if self.draft_model is not None:
+            made = iter(self.draft_model.propose(wanted))
+        else:
+            made = iter(self.ngram.propose(tokens)[:count] for _, tokens, count in wanted)
+        return [next(made) if counts.get(state.request_id) else [] for state in states]
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Requests that left the batch: the draft model frees their KV."""
+        if self.draft_model is not None:
+            self.draft_model.forget(request_ids)

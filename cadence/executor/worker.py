@@ -18,6 +18,7 @@ from cadence.backends.registry import load_backend
 from cadence.config import CacheConfig, EngineConfig, threads_per_rank
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.partition import head_shard
+from cadence.executor.draft_model import load_draft_model
 from cadence.executor.malloc_tuning import keep_freed_memory
 from cadence.executor.model_runner import ModelRunner
 from cadence.executor.sampler import Sampler, SamplerOutput
@@ -79,7 +80,7 @@ class Worker:
         tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                    for _ in range(groups.group_size)]
         sampler = BroadcastSampler(group) if group.world_size > 1 else None
-        drafter = None if config.speculative is None else Drafter(config.speculative)
+        drafter = self._drafter(config, group, device) if group.is_driver else None  # rank 0's drafts leave
         lora = None if config.lora is None else LoRAManager(model, config.lora, dtype, device)
         self.runner = ModelRunner(model, model.attn_backend, [tensors[slot] for slot in groups.slot_of_layer],
                                   config.cache.block_size, device, sampler, groups.group_of_layer, drafter, lora)
@@ -90,6 +91,19 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def _drafter(self, config: EngineConfig, group: ParallelGroup, device: torch.device) -> Drafter | None:
+        """Speculative decoding's proposer: n-gram lookups, or a draft model (unsharded, on the driver
+        rank, with a KV pool of the target's block count)."""
+        speculative = config.speculative
+        if speculative is None:
+            return None
+        if speculative.draft is None:
+            return Drafter(speculative)
+        startup.info("loading the draft model: %s", speculative.draft.gguf_file or speculative.draft.path)
+        draft = load_draft_model(speculative.draft, config.device.attention_backend, device, self.num_blocks,
+                                 config.cache.block_size, speculative.num_speculative_tokens)
+        return Drafter(speculative, draft)
 
 
 class BroadcastSampler(Sampler):

@@ -7,8 +7,8 @@ request whose scheduled tokens reach the end of what it knows (and of the drafts
 "samples"; what that step computed is summed into a :class:`~cadence.core.cost_model.StepShape`
 for the cost model.
 
-With speculative decoding, the simulated worker proposes ``num_speculative_tokens`` drafts for every
-sampled request, and a verification accepts each draft in turn with probability
+With speculative decoding, the simulated worker proposes the drafts the scheduler asks for each
+sampled request (up to ``num_speculative_tokens``), and a verification accepts each draft in turn with probability
 ``draft_acceptance`` (stopping at the first rejection), so the scheduler's speculation (its drafts,
 back-off and budget) runs as in the engine, on the acceptance rate one chooses to study.
 """
@@ -115,7 +115,8 @@ class SimulatedRunner:
                 if rate is not None:
                     self._acceptance[new.request_id] = float(rate)
             result.num_accepted_drafts = [self._accepted(r, len(out.spec_token_ids.get(r, ()))) for r in sampled]
-            result.draft_token_ids = [[SIMULATED_TOKEN_ID] * self.drafts.num_drafts for _ in sampled]
+            result.draft_token_ids = [[SIMULATED_TOKEN_ID] * min(self.drafts.num_drafts, out.draft_counts.get(r, 0))
+                                      for r in sampled]
             self.tracker.settle(out, result)
         return result, shape, self.cost_model.step_time(shape)
 

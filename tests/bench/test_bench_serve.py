@@ -121,12 +121,16 @@ def test_a_cadence_server_reports_its_prefix_cache_hits(
     assert 0.5 < metrics.prefix_cache_hit_rate < 1.0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_a_cadence_server_reports_its_speculative_decoding(
         serve_tiny: Callable[..., contextlib.AbstractContextManager[Any]],
-        make_tiny_model: Callable[..., Path]) -> None:
-    """``serve --speculative-config``: the tiny model's greedy loops are drafted, and the benchmark
-    reports the drafts the server's /metrics counted over the timed requests."""
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+        make_tiny_model: Callable[..., Path], method: str) -> None:
+    """``serve --speculative-config``: the tiny model's greedy loops are drafted (by n-gram lookups, or
+    by the model itself as its own draft model), and the benchmark reports the drafts the server's
+    /metrics counted over the timed requests."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} if method == "ngram"
+                      else {"method": "draft_model", "model": str(make_tiny_model("llama")),
+                            "num_speculative_tokens": 3})
     args = ["--dataset-name", "random", "--input-len", "16", "--output-len", "48", "--num-prompts", "4",
             "--ignore-eos", "--max-concurrency", "1", "--tokenizer", str(make_tiny_model("llama"))]
     with serve_tiny("--speculative-config", spec) as process:

@@ -28,10 +28,11 @@ def make(*, budget: int = 64, num_blocks: int = 40, k: int = 3, batch: int = 4,
                      speculation=spec)
 
 
-def add(scheduler: Scheduler, request_id: str = "r", prompt_len: int = 6, max_tokens: int = 20) -> Request:
+def add(scheduler: Scheduler, request_id: str = "r", prompt_len: int = 6, max_tokens: int = 20,
+        max_model_len: int = 64) -> Request:
     first = 100 + 20 * len(scheduler.requests)  # no two prompts share a block
     request = Request(request_id, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens),
-                      EOS, 0.0, 64)
+                      EOS, 0.0, max_model_len)
     scheduler.add_request(request)
     return request
 
@@ -39,11 +40,11 @@ def add(scheduler: Scheduler, request_id: str = "r", prompt_len: int = 6, max_to
 def run(scheduler: Scheduler, step: SchedulerOutput,
         sampled: dict[str, tuple[int, int, list[int]]]) -> dict[str, list[int]]:
     """Play the worker: each request in ``sampled`` accepted that many drafts, sampled that token and
-    proposes those drafts; returns each request's emitted tokens."""
+    proposes those drafts, as many as the step asks; returns each request's emitted tokens."""
     ids = [rid for rid in step.num_scheduled_tokens if rid in sampled]
     out = ModelRunnerOutput(step.step_id, ids, [sampled[rid][1] for rid in ids],
                             num_accepted_drafts=[sampled[rid][0] for rid in ids] if step.spec_token_ids else None,
-                            draft_token_ids=[sampled[rid][2] for rid in ids])
+                            draft_token_ids=[sampled[rid][2][:step.draft_counts.get(rid, 0)] for rid in ids])
     outputs = scheduler.update_from_output(out)
     assert_blocks(scheduler)
     return {o.request_id: o.new_token_ids for o in outputs}
@@ -89,7 +90,7 @@ def test_a_verification_emits_the_accepted_drafts_then_the_sampled_token() -> No
     assert step.spec_token_ids == {"r": [64]}
 
 
-def test_drafts_are_verified_while_their_chance_of_acceptance_pays_for_their_token() -> None:
+def test_drafts_are_asked_for_while_their_chance_of_acceptance_pays_for_their_token() -> None:
     scheduler = make(k=4)
     speculation = scheduler.speculation
     assert speculation is not None
@@ -97,22 +98,72 @@ def test_drafts_are_verified_while_their_chance_of_acceptance_pays_for_their_tok
         speculation.observe(tokens, ms / 1000)
     assert speculation.cost.token_share(1) == pytest.approx(2 / 4.5)  # a drafted token costs 44% of a step
     request = add(scheduler, max_tokens=60)
-    run(scheduler, scheduler.schedule(), {"r": (0, 50, [51, 52, 53, 54])})
-    verified = []
+    asked, verified = [], []
     for alpha in (0.9, 0.6, 0.3):  # 0.9 ** 4 = 0.66 > 0.44; 0.6 > 0.44 > 0.6 ** 2; 0.3 < 0.44
         request.drafts.accepted, request.drafts.tried = alpha, 1.0
         step = scheduler.schedule()
+        asked.append(step.draft_counts["r"])
         verified.append(len(step.spec_token_ids.get("r", [])))
-        request.drafts.accepted, request.drafts.tried = alpha, 1.0  # as before the verification
         run(scheduler, step, {"r": (0, 60, [51, 52, 53, 54])})
-    assert verified == [4, 1, 1]  # the last: a probe, after which it pauses
+    assert asked == [4, 1, 1]  # the last: a probe, after which it pauses
+    assert verified == [0, 4, 1]  # what the step before asked for
     for _ in range(PAUSE_STEPS):
         request.drafts.accepted, request.drafts.tried = 0.3, 1.0
         step = scheduler.schedule()
-        assert not step.spec_token_ids
+        assert step.draft_counts == {"r": 0}
         run(scheduler, step, {"r": (0, 60, [51, 52, 53, 54])})
     request.drafts.accepted, request.drafts.tried = 0.3, 1.0
-    assert scheduler.schedule().spec_token_ids == {"r": [51]}  # the next probe
+    step = scheduler.schedule()
+    assert step.spec_token_ids == {} and step.draft_counts == {"r": 1}  # the next probe
+    run(scheduler, step, {"r": (0, 60, [51, 52, 53, 54])})
+    assert scheduler.schedule().spec_token_ids == {"r": [51]}
+
+
+def test_a_rejected_probe_doubles_the_next_pause_and_an_accepted_one_resets_it() -> None:
+    scheduler = make(k=4)
+    speculation = scheduler.speculation
+    assert speculation is not None
+    for tokens, ms in [(1, 4.5), (5, 12.5)] * 4:  # a = 2.5 ms, b = 2 ms a token: a draft costs 44%
+        speculation.observe(tokens, ms / 1000)
+    request = add(scheduler, max_tokens=400, max_model_len=150)
+    probes = []
+    for i in range(90):
+        request.drafts.accepted, request.drafts.tried = 0.3, 1.0  # worth no draft but a probe
+        step = scheduler.schedule()
+        if step.draft_counts["r"]:
+            probes.append(i)
+        verified = len(step.spec_token_ids.get("r", []))
+        run(scheduler, step, {"r": (verified if i == 60 else 0, 60, [51, 52, 53, 54])})  # step 60 accepts
+    # Pauses of 8, 16, 32 and 64 steps after rejected probes; the probe accepted at step 60 ends the
+    # pause it was in: a probe at once, then pauses of 8 and 16 steps again.
+    assert probes == [0, 9, 26, 59, 61, 70, 87]
+
+
+def test_no_drafts_are_asked_for_while_more_requests_are_unfinished_than_the_batch_limit() -> None:
+    scheduler = make(budget=12, batch=2)
+    for name in "abc":
+        add(scheduler, name)
+    step = scheduler.schedule()  # "a" and "b" take the budget; "c" waits, to join the next step
+    assert set(step.num_scheduled_tokens) == {"a", "b"} and not step.draft_counts
+
+
+def test_a_draft_models_time_prices_each_draft_position() -> None:
+    scheduler = make(k=4)
+    speculation = scheduler.speculation
+    assert speculation is not None
+    for tokens, ms in [(1, 4.5), (5, 12.5)] * 4:  # a = 2.5 ms, b = 2 ms a token
+        speculation.observe(tokens, ms / 1000)
+    request = add(scheduler, max_tokens=60)
+    request.drafts.accepted, request.drafts.tried = 0.9, 1.0
+    step = scheduler.schedule()  # the prompt's 6 tokens: 14.5 ms of the model
+    assert step.draft_counts == {"r": 4}  # 0.9 ** 4 = 0.66 > 2 / 4.5
+    run(scheduler, step, {"r": (0, 50, [51, 52, 53, 54])})
+    scheduler.observe_step_time(0.0185, draft_seconds=0.004)  # and 4 ms drafting 4 positions
+    assert speculation.draft_round_s == pytest.approx(0.001)
+    assert speculation.cost.token_share(1) == pytest.approx(2 / 4.5)  # the model's own time, as before
+    request.drafts.accepted, request.drafts.tried = 0.9, 1.0
+    # A position now costs a token (2 ms) and a draft forward (1 ms) of a 4.5 ms step: 0.9 ** 4 < 0.67.
+    assert scheduler.schedule().draft_counts == {"r": 3}
 
 
 def test_acceptance_is_estimated_from_the_verifications() -> None:
@@ -176,9 +227,12 @@ def test_no_drafts_while_more_requests_run_than_the_batch_limit() -> None:
         add(scheduler, name, max_tokens=10)
     run(scheduler, scheduler.schedule(), {name: (0, 50, [51]) for name in "abc"})
     step = scheduler.schedule()
-    assert not step.spec_token_ids
+    assert not step.spec_token_ids and not step.draft_counts
     run(scheduler, step, {"a": (0, EOS, [51]), "b": (0, 52, [53]), "c": (0, 52, [53])})  # "a" ends: 2 run
-    assert scheduler.schedule().spec_token_ids == {"b": [53], "c": [53]}
+    step = scheduler.schedule()  # drafts asked for again, verified in the step after
+    assert not step.spec_token_ids and step.draft_counts == {"b": 3, "c": 3}
+    run(scheduler, step, {"b": (0, 54, [55]), "c": (0, 54, [55])})
+    assert scheduler.schedule().spec_token_ids == {"b": [55], "c": [55]}
 
 
 def test_drafts_take_only_blocks_the_running_requests_do_not_need() -> None:

@@ -1,8 +1,9 @@
-"""Speculative decoding end to end (``LLM(speculative_config=...)``) on a tiny random Llama, whose
-greedy output falls into loops that the n-gram proposer drafts well (and breaks out of them, so
-drafts are rejected too): the output with speculation is the output without it, token for token
-(greedy, seeded sampling with penalties, logprobs, stops, n > 1, preemption, prefix caching), and
-unseeded sampling keeps its distribution."""
+"""Speculative decoding end to end (``LLM(speculative_config=...)``) on a tiny random Llama, with
+each proposer: n-gram lookups (the model's greedy output falls into loops that they draft well, and
+breaks out of them, so drafts are rejected too) and a draft model (the model's first layer, right
+about a fifth of the time). The output with speculation is the output without it, token for token
+(greedy, seeded sampling with penalties, logprobs, stops, n > 1, preemption, prefix caching, tensor
+parallelism, structured output), and unseeded sampling keeps its distribution."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
 from cadence import LLM, SamplingParams
-from cadence.config import ConfigError
+from cadence.config import ConfigError, ModelConfig
+from cadence.executor.draft_model import load_draft_model
 from cadence.executor.ngram_proposer import NgramProposer
 from cadence.messages import SpecDecodeStats
+from cadence.models.truncation import truncate_model
 from cadence.sampling_params import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "disable_by_batch_size": 256}
+         "disable_by_batch_size": 1024}
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +36,38 @@ def model(make_tiny_model: Callable[..., Path]) -> str:
 
 
 @pytest.fixture(scope="module")
+def draft_model(model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The model's first layer of two: its drafts are accepted about a fifth of the time."""
+    return str(truncate_model(model, tmp_path_factory.mktemp("draft"), 1))
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def spec_config(request: pytest.FixtureRequest) -> dict[str, Any]:
+    if request.param == "ngram":
+        return NGRAM
+    return {"method": "draft_model", "model": request.getfixturevalue("draft_model"), "num_speculative_tokens": 4,
+            "disable_by_batch_size": 1024}
+
+
+@pytest.fixture(scope="module")
+def first_draft(spec_config: dict[str, Any]) -> Callable[[list[int]], list[int]]:
+    """What the proposer of ``spec_config`` drafts first after a sequence."""
+    if spec_config["method"] == "ngram":
+        return NgramProposer(NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"], 1).propose
+    draft = ModelConfig(path=spec_config["model"], dtype="float32", max_model_len=512)
+    proposer = load_draft_model(draft, None, torch.device("cpu"), num_blocks=256, block_size=16,
+                                num_speculative_tokens=1)
+    return lambda tokens: proposer.propose([("probe", tokens, 1)])[0]
+
+
+@pytest.fixture(scope="module")
 def plain(model: str) -> LLM:
     return LLM(model=model, dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def spec(model: str) -> LLM:
-    return LLM(model=model, dtype="float32", speculative_config=NGRAM)
+def spec(model: str, spec_config: dict[str, Any]) -> LLM:
+    return LLM(model=model, dtype="float32", speculative_config=spec_config)
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -111,9 +140,10 @@ def test_logprobs_stops_and_n_match(plain: LLM, spec: LLM) -> None:
     assert {finish for seqs in got[:-1] for _, _, finish, _ in seqs} == {"stop"}
 
 
-def test_preemption_and_prefix_caching_keep_the_output(model: str, plain: LLM) -> None:
-    # 24 blocks of 16 tokens hold about 3 of these requests at once: the rest wait or are preempted.
-    small = LLM(model=model, dtype="float32", speculative_config=NGRAM, num_kv_blocks=24)
+def test_preemption_and_prefix_caching_keep_the_output(model: str, spec_config: dict[str, Any], plain: LLM) -> None:
+    # 24 blocks of 16 tokens hold about 3 of these requests at once: the rest wait or are preempted
+    # (a draft model's pool has 24 blocks too: it takes back the blocks of the least recent).
+    small = LLM(model=model, dtype="float32", speculative_config=spec_config, num_kv_blocks=24)
     shared = prompts(1, seed=4)[0] * 3
     batch = [shared + p for p in prompts(10, seed=5)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -125,10 +155,10 @@ def test_preemption_and_prefix_caching_keep_the_output(model: str, plain: LLM) -
     small.shutdown()
 
 
-def test_tensor_parallel_ranks_verify_alike(model: str, plain: LLM) -> None:
+def test_tensor_parallel_ranks_verify_alike(model: str, spec_config: dict[str, Any], plain: LLM) -> None:
     """Two ranks (mp workers): each samples the verification rows from rank 0's broadcast tokens and
-    drafts the same, so both keep the same state."""
-    tp = LLM(model=model, dtype="float32", tensor_parallel_size=2, speculative_config=NGRAM)
+    verifies rank 0's drafts (only rank 0 runs a draft model), so both keep the same state."""
+    tp = LLM(model=model, dtype="float32", tensor_parallel_size=2, speculative_config=spec_config)
     batch = prompts(4, seed=8)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert generate(tp, batch, params) == generate(plain, batch, params)
@@ -136,7 +166,8 @@ def test_tensor_parallel_ranks_verify_alike(model: str, plain: LLM) -> None:
     tp.shutdown()
 
 
-def test_unseeded_sampling_keeps_the_distribution(plain: LLM, spec: LLM) -> None:
+def test_unseeded_sampling_keeps_the_distribution(plain: LLM, spec: LLM,
+                                                  first_draft: Callable[[list[int]], list[int]]) -> None:
     """600 unseeded samples with and without speculation: how often the second token is the first
     draft (the acceptance event, which a wrong verification skews) and the second token's own
     distribution; chi-square tests cannot tell the two apart."""
@@ -147,11 +178,11 @@ def test_unseeded_sampling_keeps_the_distribution(plain: LLM, spec: LLM) -> None
                           use_tqdm=False)[0].outputs[0].token_ids
     prompt = list(range(3, 320)) + list(loop)
     params = SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True)
-    proposer = NgramProposer(NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"], 1)
 
     def sample(llm: LLM) -> tuple[list[int], Counter[int]]:
         seqs = [out.outputs[0].token_ids for out in llm.generate([prompt] * 600, params, use_tqdm=False)]
-        drafted = sum(seq[1:2] == proposer.propose(prompt + seq[:1]) for seq in seqs)
+        drafts = {first: first_draft([*prompt, first]) for first in {seq[0] for seq in seqs}}
+        drafted = sum(seq[1:2] == drafts[seq[0]] for seq in seqs)
         return [drafted, len(seqs) - drafted], Counter(seq[1] for seq in seqs)
 
     (spec_drafted, spec_second), (plain_drafted, plain_second) = sample(spec), sample(plain)
@@ -164,9 +195,11 @@ def test_unseeded_sampling_keeps_the_distribution(plain: LLM, spec: LLM) -> None
     assert chi2_contingency(table).pvalue > 1e-3
 
 
-def test_constrained_requests_draft_within_their_grammar(plain: LLM, spec: LLM) -> None:
+def test_constrained_requests_draft_within_their_grammar(plain: LLM, spec: LLM, spec_config: dict[str, Any]) -> None:
     """Drafts are cut at the first token the grammar refuses, and each verified position is masked
-    by the grammar after the drafts before it: the same tokens as without speculation, all matching."""
+    by the grammar after the drafts before it: the same tokens as without speculation, all matching.
+    (The draft model drafts without the grammar, and the random one here never guesses a token
+    of it: its drafts are all cut, which must not change the output either.)"""
     before = spec_stats(spec)
     pattern = r"(ab|cd|ef)( (ab|cd|ef)){3,40}"
     params = SamplingParams(temperature=0, max_tokens=160, structured_outputs=StructuredOutputsParams(regex=pattern))
@@ -174,7 +207,8 @@ def test_constrained_requests_draft_within_their_grammar(plain: LLM, spec: LLM) 
     got = generate(spec, batch, params)
     assert got == generate(plain, batch, params)
     assert all(re.fullmatch(pattern, text) and finish == "stop" for [(_, text, finish, _)] in got)
-    assert_drafts_were_accepted_and_rejected(spec, before)
+    if spec_config["method"] == "ngram":
+        assert_drafts_were_accepted_and_rejected(spec, before)
 
 
 def test_a_bad_speculative_config_is_refused() -> None:
@@ -184,3 +218,17 @@ def test_a_bad_speculative_config_is_refused() -> None:
         LLM(speculative_config='{"method": "ngram", "num_lookahead": 3}')
     with pytest.raises(ConfigError, match="not JSON"):
         LLM(speculative_config="{method: ngram}")
+    with pytest.raises(ConfigError, match="needs a 'model'"):
+        LLM(speculative_config={"method": "draft_model"})
+    with pytest.raises(ConfigError, match="needs a 'model'"):
+        LLM(speculative_config={"method": "ngram", "model": "x"})
+    with pytest.raises(ConfigError, match="model must be a string"):
+        LLM(speculative_config={"method": "draft_model", "model": 3})
+
+
+def test_a_draft_model_must_share_the_vocabulary(model: str, make_tiny_model: Callable[..., Path]) -> None:
+    other = make_tiny_model("llama", vocab_size=400)
+    with pytest.raises(ConfigError, match="vocabulary of 400 tokens, the model 320"):
+        LLM(model=model, speculative_config={"method": "draft_model", "model": str(other)})
+    with pytest.raises(ConfigError, match="does not exist"):
+        LLM(model=model, speculative_config={"method": "draft_model", "model": "/nowhere/draft"})

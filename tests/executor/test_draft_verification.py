@@ -38,6 +38,7 @@ class State:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    request_id: str = "r"
 
     def append(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
@@ -59,8 +60,8 @@ def test_verify_accepts_up_to_the_first_disagreement_and_takes_back_the_rest() -
     assert out.logprobs == [logprob(t) for t in (7, 8, 9, 1, 2, 3)]
 
 
-def test_the_drafter_drafts_nothing_for_a_large_batch() -> None:
-    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, disable_by_batch_size=2))
-    state = State(SamplingParams(), [4, 5, 6, 4])
-    assert drafter.propose([state, state]) == [[5, 6], [5, 6]]
-    assert drafter.propose([state, state, state]) == [[], [], []]
+def test_the_drafter_proposes_as_many_as_the_scheduler_asks() -> None:
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
+    a, b, c = (State(SamplingParams(), [4, 5, 6, 4], request_id=name) for name in "abc")
+    assert drafter.propose([a, b, c], {"a": 2, "b": 1}) == [[5, 6], [5], []]
+    assert drafter.propose([a, b], {}) == [[], []]

@@ -21,13 +21,14 @@ from cadence.sim.workload import RequestSpec
 SPEC = SpeculativeConfig(num_speculative_tokens=4)
 
 
-def step(step_id: int, num: int, drafts: list[int], new: bool = False, computed: int = 0) -> SchedulerOutput:
+def step(step_id: int, num: int, drafts: list[int], new: bool = False, computed: int = 0,
+         propose: int = 4) -> SchedulerOutput:
     return SchedulerOutput(
         step_id=step_id,
         new_requests=[NewRequestData("r", list(range(10)), 10, SamplingParams(), 0, [[1]], 0)] if new else [],
         cached_requests=[] if new else [CachedRequestData("r", [[]], computed)],
         num_scheduled_tokens={"r": num}, finished_request_ids=[], preempted_request_ids=[],
-        spec_token_ids={"r": drafts} if drafts else {})
+        spec_token_ids={"r": drafts} if drafts else {}, draft_counts={"r": propose})
 
 
 def test_a_verification_is_a_decode_plus_its_drafts_and_rejected_ones_are_taken_back() -> None:
@@ -51,6 +52,10 @@ def test_the_simulated_worker_accepts_drafts_until_the_first_rejection() -> None
         assert shape.draft_tokens == 3
         assert result.num_accepted_drafts == expected and result.draft_token_ids == [[1, 1, 1, 1]]
         assert seconds == pytest.approx(0.01 + 3 * 0.002)
+        # As many drafts as the scheduler asks, at most num_speculative_tokens.
+        computed = 11 + expected[0]  # the prompt, the first token and the accepted drafts
+        assert runner.execute(step(3, 1, [], computed=computed, propose=2))[0].draft_token_ids == [[1, 1]]
+        assert runner.execute(step(4, 1, [], computed=computed + 1, propose=0))[0].draft_token_ids == [[]]
 
 
 def run(speculative: SpeculativeConfig | None, acceptance: float = 0.7, output: int = 300):
