@@ -4,6 +4,7 @@ transformers token for token in fp32, alone and batched, with a chunked prefill.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,24 +70,17 @@ def test_chunked_prefill_matches_transformers(prompts: list[list[int]], referenc
     assert got == reference
 
 
-def test_speculative_decoding_matches_transformers(prompts: list[list[int]], reference: list[list[int]]) -> None:
-    """n-gram drafts verified through the quantized kernels' multi-row tiles and the attention's
-    prefill path: the same greedy tokens, one request at a time (where drafts are worth verifying)."""
-    spec = LLM(dtype="float32", num_threads=2, speculative_config={"method": "ngram", "num_speculative_tokens": 5})
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    got = [spec.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    assert got == reference
-    speculation = spec.engine_core.scheduler.speculation
-    assert speculation is not None and 0 < speculation.num_accepted_tokens < speculation.num_draft_tokens
-    spec.shutdown()
-
-
-def test_a_draft_model_keeps_the_greedy_tokens(prompts: list[list[int]], reference: list[list[int]],
-                                               tmp_path: Path) -> None:
-    """The model's first 12 layers (unquantized) draft for the quantized model: the same greedy tokens."""
-    draft = truncate_model(resolve_model(None), tmp_path / "draft", 12)
-    spec = LLM(dtype="float32", num_threads=2,
-               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_matches_transformers(prompts: list[list[int]], reference: list[list[int]],
+                                                   method: str, tmp_path: Path) -> None:
+    """Drafts verified through the quantized kernels' multi-row tiles and the attention's prefill
+    path: the same greedy tokens, one request at a time (where drafts are worth verifying). The
+    drafts are n-gram lookups', or those of the model's first 12 layers (unquantized) as a draft model."""
+    config: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 5}
+    if method == "draft_model":
+        draft = truncate_model(resolve_model(None), tmp_path / "draft", 12)
+        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    spec = LLM(dtype="float32", num_threads=2, speculative_config=config)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got = [spec.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert got == reference

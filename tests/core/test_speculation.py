@@ -66,6 +66,17 @@ def stats(scheduler: Scheduler) -> SpecDecodeStats:
     return scheduler.speculation.stats()
 
 
+def with_step_cost_known() -> tuple[Scheduler, SpecDecoding]:
+    """A scheduler (up to 4 drafts) whose step cost fit has seen steps of a = 2.5 ms plus b = 2 ms a
+    token: a drafted token costs 2 / 4.5 = 44% of a one-token step."""
+    scheduler = make(k=4)
+    speculation = scheduler.speculation
+    assert speculation is not None
+    for tokens, ms in [(1, 4.5), (5, 12.5)] * 4:
+        speculation.observe(tokens, ms / 1000)
+    return scheduler, speculation
+
+
 def test_a_verification_emits_the_accepted_drafts_then_the_sampled_token() -> None:
     scheduler = make()
     request = add(scheduler)
@@ -91,11 +102,7 @@ def test_a_verification_emits_the_accepted_drafts_then_the_sampled_token() -> No
 
 
 def test_drafts_are_asked_for_while_their_chance_of_acceptance_pays_for_their_token() -> None:
-    scheduler = make(k=4)
-    speculation = scheduler.speculation
-    assert speculation is not None
-    for tokens, ms in [(1, 4.5), (5, 12.5)] * 4:  # a = 2.5 ms, b = 2 ms a token
-        speculation.observe(tokens, ms / 1000)
+    scheduler, speculation = with_step_cost_known()
     assert speculation.cost.token_share(1) == pytest.approx(2 / 4.5)  # a drafted token costs 44% of a step
     request = add(scheduler, max_tokens=60)
     asked, verified = [], []
@@ -120,11 +127,7 @@ def test_drafts_are_asked_for_while_their_chance_of_acceptance_pays_for_their_to
 
 
 def test_a_rejected_probe_doubles_the_next_pause_and_an_accepted_one_resets_it() -> None:
-    scheduler = make(k=4)
-    speculation = scheduler.speculation
-    assert speculation is not None
-    for tokens, ms in [(1, 4.5), (5, 12.5)] * 4:  # a = 2.5 ms, b = 2 ms a token: a draft costs 44%
-        speculation.observe(tokens, ms / 1000)
+    scheduler, _ = with_step_cost_known()
     request = add(scheduler, max_tokens=400, max_model_len=150)
     probes = []
     for i in range(90):
@@ -148,11 +151,7 @@ def test_no_drafts_are_asked_for_while_more_requests_are_unfinished_than_the_bat
 
 
 def test_a_draft_models_time_prices_each_draft_position() -> None:
-    scheduler = make(k=4)
-    speculation = scheduler.speculation
-    assert speculation is not None
-    for tokens, ms in [(1, 4.5), (5, 12.5)] * 4:  # a = 2.5 ms, b = 2 ms a token
-        speculation.observe(tokens, ms / 1000)
+    scheduler, speculation = with_step_cost_known()
     request = add(scheduler, max_tokens=60)
     request.drafts.accepted, request.drafts.tried = 0.9, 1.0
     step = scheduler.schedule()  # the prompt's 6 tokens: 14.5 ms of the model
