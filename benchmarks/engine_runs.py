@@ -3,7 +3,8 @@ model options, and running each engine in a process of its own, alternating.
 
 Each engine runs in a child process (the script itself, with ``--only LABEL``), because two
 engines alive in one process run several times slower (their OpenMP pools spin against each
-other), and alternating spreads the machine's drift (5-10% between minutes) over every engine.
+other), and alternating (in reverse every other round) spreads the machine's drift (5-10% between
+minutes, more on some days) over every engine.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def alternate(labels: Sequence[str], repeats: int) -> dict[str, list[Any]]:
     """Run this script once per label and round (``--only LABEL``, the other flags as given); each
     run's last line of output, as JSON, by label."""
     runs: dict[str, list[Any]] = {label: [] for label in labels}
-    for _ in range(repeats):
-        for label in labels:
+    for round_ in range(repeats):
+        # Every other round in reverse, so that a machine slowing down (or speeding up) within a
+        # round favours no engine.
+        for label in labels if round_ % 2 == 0 else labels[::-1]:
             child = subprocess.run([sys.executable, sys.argv[0], *sys.argv[1:], "--only", label],
                                    check=True, capture_output=True, text=True)
             runs[label].append(json.loads(child.stdout.strip().splitlines()[-1]))

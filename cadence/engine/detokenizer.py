@@ -90,6 +90,10 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops)
+
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
         """Feed the tokens sampled this step; returns the text they release."""
         if self._finished or not new_token_ids:

@@ -6,6 +6,7 @@ When a stop string matches, the sequence is finished here and the engine core is
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -90,7 +91,13 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
             # The engine stopped on this token (EOS or a stop token id): not text of the answer, as
             # in vLLM (with skip_special_tokens off, an EOS's "</s>" would otherwise end every answer).
             ids = ids[:-1]
-        text = detokenizer.update(ids).new_text
+        text, kept = _update_to_stop(detokenizer, ids)
+        new_token_ids, new_logprobs = output.new_token_ids, output.new_logprobs
+        if kept < len(ids):
+            # Several tokens at once (accepted drafts) ran past a stop string: the sequence ends
+            # with the token that completed it, as it would have one token at a time.
+            new_token_ids = new_token_ids[:kept]
+            new_logprobs = None if new_logprobs is None else new_logprobs[:kept]
         finish_reason, error = output.finish_reason, output.error
         stop_reason: str | int | None = None
         if finish_reason is not None and detokenizer.stop_string is None:
@@ -105,8 +112,8 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
         return SequenceDelta(
             request_id=output.request_id,
             new_text=text,
-            new_token_ids=output.new_token_ids,
-            new_logprobs=output.new_logprobs,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_cached_tokens=output.num_cached_tokens,
@@ -114,3 +121,17 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
             error=error,
             prompt_logprobs=output.prompt_logprobs,
         )
+
+
+def _update_to_stop(detokenizer: IncrementalDetokenizer, ids: Sequence[int]) -> tuple[str, int]:
+    """The text ``ids`` release, and how many of them it took: all, or, when several arrive at once
+    and one of them completes a stop string, those up to that one (fed one by one, which releases the
+    same text as a chunk does)."""
+    if len(ids) <= 1 or detokenizer.finished or not detokenizer.has_stop_strings:
+        return detokenizer.update(ids).new_text, len(ids)
+    texts = []
+    for i, token_id in enumerate(ids):
+        texts.append(detokenizer.update([token_id]).new_text)
+        if detokenizer.stop_string is not None:
+            return "".join(texts), i + 1
+    return "".join(texts), len(ids)

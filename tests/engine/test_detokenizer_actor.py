@@ -128,6 +128,19 @@ async def test_a_stop_string_finishes_the_sequence_and_aborts_it_in_the_engine(t
     assert aborts == [AbortRequests(["r"])]
 
 
+async def test_tokens_past_a_stop_string_in_one_step_are_dropped_with_their_logprobs(tokenizer: Any) -> None:
+    """Accepted drafts arrive several at a time: the sequence ends with the token that completed the
+    stop string ("you", the 14th), as one token a step would have it."""
+    logprobs = [TokenLogprobs([t], [-1.0], 1) for t in TOKENS]
+    _, batches, aborts = await run(tokenizer, track("r", stop=["you"]), step(out("r", TOKENS[:10])),
+                                   step(out("r", TOKENS[10:], new_logprobs=logprobs[10:])))
+    first, last = (d for batch in batches for d in batch)
+    assert (last.new_text, last.finish_reason, last.stop_reason) == ("w are ", "stop", "you")  # "w " held back
+    assert first.new_token_ids + last.new_token_ids == TOKENS[:14]
+    assert last.new_logprobs == logprobs[10:14]
+    assert aborts == [AbortRequests(["r"])]
+
+
 async def test_a_stop_string_held_back_across_steps(tokenizer: Any) -> None:
     _, batches, aborts = await run(tokenizer, track("r", stop=["are you"], include_stop_str_in_output=True),
                                    *token_steps("r", TOKENS, None))
