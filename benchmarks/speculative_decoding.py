@@ -98,10 +98,7 @@ def draft_config(ns: argparse.Namespace) -> dict[str, Any]:
     dest = cache_dir() / "drafts" / f"{Path(folder).name}-{ns.draft_layers}-layers"
     if not (dest / "model.safetensors").is_file():
         truncate_model(folder, dest, ns.draft_layers)
-    config = {**json.loads(ns.speculative_config), "method": "draft_model", "model": str(dest)}
-    config.pop("prompt_lookup_min", None)
-    config.pop("prompt_lookup_max", None)
-    return config
+    return {**json.loads(ns.speculative_config), "method": "draft_model", "model": str(dest)}
 
 
 def main() -> None:

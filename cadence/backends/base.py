@@ -73,6 +73,17 @@ class AttentionBackend(abc.ABC):
         return tuple(canonical[d] for d in cls.kv_cache_dims)
 
     @classmethod
+    def allocate_kv_caches(cls, count: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                           dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``count`` (K, V) cache pairs in this backend's layout.
+
+        Zeroed, not empty: padded reads of unwritten slots are masked, and 0 * NaN would not be.
+        """
+        shape = cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(count)]
+
+    @classmethod
     def to_kv_cache_layout(cls, cache: torch.Tensor) -> torch.Tensor:
         """A canonical-layout cache copied into this backend's layout."""
         return cache.permute(cls.kv_cache_dims).contiguous()

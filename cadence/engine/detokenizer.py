@@ -33,11 +33,13 @@ class DetokenizerUpdate:
 
     ``stop_string`` is set when a stop string matched: the sequence must end, and ``new_text`` is
     the last text it will ever produce (cut before the stop string, or after it when
-    ``include_stop_str_in_output``).
+    ``include_stop_str_in_output``). ``num_tokens`` is then how many of the tokens fed it took, when
+    one before the last completed the stop string (None: all of them).
     """
 
     new_text: str
     stop_string: str | None = None
+    num_tokens: int | None = None
 
 
 _NOTHING = DetokenizerUpdate("")
@@ -90,14 +92,24 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self._finished
 
-    @property
-    def has_stop_strings(self) -> bool:
-        return bool(self._stops)
-
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
-        """Feed the tokens sampled this step; returns the text they release."""
+        """Feed the tokens sampled this step; returns the text they release.
+
+        Several tokens at once (accepted drafts) are fed one by one while stop strings are set
+        (which releases the same text), so that a stop string completed by one of them ends the
+        sequence there, as one token a step would.
+        """
         if self._finished or not new_token_ids:
             return _NOTHING
+        if self._stops and len(new_token_ids) > 1:
+            texts = []
+            for i, token_id in enumerate(new_token_ids):
+                update = self.update([token_id])
+                texts.append(update.new_text)
+                if update.stop_string is not None:
+                    used = i + 1 if i + 1 < len(new_token_ids) else None
+                    return DetokenizerUpdate("".join(texts), update.stop_string, used)
+            return DetokenizerUpdate("".join(texts))
         text = self._stream.step(new_token_ids)
         if not text:
             return _NOTHING

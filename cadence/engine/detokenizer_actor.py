@@ -6,7 +6,6 @@ When a stop string matches, the sequence is finished here and the engine core is
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -91,11 +90,10 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
             # The engine stopped on this token (EOS or a stop token id): not text of the answer, as
             # in vLLM (with skip_special_tokens off, an EOS's "</s>" would otherwise end every answer).
             ids = ids[:-1]
-        text, kept = _update_to_stop(detokenizer, ids)
+        update = detokenizer.update(ids)
+        text, kept = update.new_text, update.num_tokens
         new_token_ids, new_logprobs = output.new_token_ids, output.new_logprobs
-        if kept < len(ids):
-            # Several tokens at once (accepted drafts) ran past a stop string: the sequence ends
-            # with the token that completed it, as it would have one token at a time.
+        if kept is not None:  # the sequence ends with the token that completed a stop string
             new_token_ids = new_token_ids[:kept]
             new_logprobs = None if new_logprobs is None else new_logprobs[:kept]
         finish_reason, error = output.finish_reason, output.error
@@ -122,16 +120,3 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
             prompt_logprobs=output.prompt_logprobs,
         )
 
-
-def _update_to_stop(detokenizer: IncrementalDetokenizer, ids: Sequence[int]) -> tuple[str, int]:
-    """The text ``ids`` release, and how many of them it took: all, or, when several arrive at once
-    and one of them completes a stop string, those up to that one (fed one by one, which releases the
-    same text as a chunk does)."""
-    if len(ids) <= 1 or detokenizer.finished or not detokenizer.has_stop_strings:
-        return detokenizer.update(ids).new_text, len(ids)
-    texts = []
-    for i, token_id in enumerate(ids):
-        texts.append(detokenizer.update([token_id]).new_text)
-        if detokenizer.stop_string is not None:
-            return "".join(texts), i + 1
-    return "".join(texts), len(ids)

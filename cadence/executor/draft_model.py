@@ -147,9 +147,7 @@ def load_draft_model(draft: ModelConfig, attention_backend: str | None, device: 
     backend_cls.prepare(device, dtype)
     model = load_model(draft.path, hf_config, dtype, device, backend_cls, quantization=draft.quantization,
                        gguf_file=draft.gguf_file, enforce_eager=draft.enforce_eager)
-    shape = backend_cls.kv_cache_shape(num_blocks, block_size, model.num_kv_heads, head_dim)
-    # Zeroed, not empty: padded reads of unwritten slots are masked, and 0 * NaN would not be.
-    kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                 for _ in range(hf_config.num_hidden_layers)]
+    kv_caches = backend_cls.allocate_kv_caches(hf_config.num_hidden_layers, num_blocks, block_size,
+                                               model.num_kv_heads, head_dim, dtype, device)
     return DraftModelProposer(model, kv_caches, num_blocks, block_size, device, num_speculative_tokens,
                               draft.max_model_len)

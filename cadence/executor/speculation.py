@@ -7,10 +7,9 @@ position sampled; the first that differs is replaced by that sample (or, all acc
 row's sample is a bonus token). The drafts are point guesses (the n-gram proposer's, or the draft
 model's greedy tokens), and for a point guess this is exactly rejection sampling: a draft ``d`` is
 kept with probability ``p(d)``, and on rejection the token is drawn from ``p`` without ``d``,
-renormalised. So greedy output is
-token-identical to decoding one token at a time, a seeded request's too (each position draws from
-the seed of its output index), and any other keeps the target distribution
-(docs/speculative_decoding.md).
+renormalised. So greedy output is token-identical to decoding one token at a time, a seeded
+request's too (each position draws from the seed of its output index), and any other keeps the
+target distribution (docs/speculative_decoding.md).
 """
 
 from __future__ import annotations

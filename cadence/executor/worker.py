@@ -75,10 +75,8 @@ class Worker:
         # groups (docs/architecture.md, "KV cache groups").
         groups = kv_cache_groups_of(hf_config, config.cache.hybrid_kv_cache)
         self.num_blocks = num_kv_blocks(config.cache, groups.group_size, most_kv_heads, head_dim, dtype)
-        shape = backend_cls.kv_cache_shape(self.num_blocks, config.cache.block_size, num_kv_heads, head_dim)
-        # Zeroed, not empty: padded reads of unwritten slots are masked, and 0 * NaN would not be.
-        tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                   for _ in range(groups.group_size)]
+        tensors = backend_cls.allocate_kv_caches(groups.group_size, self.num_blocks, config.cache.block_size,
+                                                 num_kv_heads, head_dim, dtype, device)
         sampler = BroadcastSampler(group) if group.world_size > 1 else None
         drafter = self._drafter(config, group, device) if group.is_driver else None  # rank 0's drafts leave
         lora = None if config.lora is None else LoRAManager(model, config.lora, dtype, device)

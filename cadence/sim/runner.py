@@ -8,9 +8,10 @@ request whose scheduled tokens reach the end of what it knows (and of the drafts
 for the cost model.
 
 With speculative decoding, the simulated worker proposes the drafts the scheduler asks for each
-sampled request (up to ``num_speculative_tokens``), and a verification accepts each draft in turn with probability
-``draft_acceptance`` (stopping at the first rejection), so the scheduler's speculation (its drafts,
-back-off and budget) runs as in the engine, on the acceptance rate one chooses to study.
+sampled request (up to ``num_speculative_tokens``), and a verification accepts each draft in turn
+with probability ``draft_acceptance`` (stopping at the first rejection), so the scheduler's
+speculation (its drafts, back-off and budget) runs as in the engine, on the acceptance rate one
+chooses to study.
 """
 
 from __future__ import annotations

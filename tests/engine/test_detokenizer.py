@@ -263,7 +263,8 @@ def test_overlapping_stops_ending_together_longer_wins(any_tokenizer):
 
 def test_overlapping_stops_in_one_chunk(any_tokenizer):
     _, updates, last = stopped(any_tokenizer, ANSWER, chunks=[100], stop=["Paris", "is Pa", "France"])
-    assert len(updates) == 1 and last == DetokenizerUpdate("The capital of ", "France")
+    # The whole answer in one chunk: its fourth token (" France") ends the sequence.
+    assert len(updates) == 1 and last == DetokenizerUpdate("The capital of ", "France", 4)
 
 
 def test_include_stop_str_in_output(any_tokenizer):

@@ -22,9 +22,8 @@ class PagedHarness:
                  seed: int = 0) -> None:
         self.model = model
         self.block_size = block_size
-        shape = SDPABackend.kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
-                          for _ in range(model.num_layers)]
+        self.kv_caches = SDPABackend.allocate_kv_caches(model.num_layers, num_blocks, block_size, model.num_kv_heads,
+                                                        model.head_dim, model.dtype, torch.device("cpu"))
         self.free = list(range(1, num_blocks))  # block 0 is the null block
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[str, list[int]] = {}
