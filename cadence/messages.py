@@ -243,6 +243,8 @@ class EngineCoreOutputs(_Message):
     stats: SchedulerStats | None = None
     # Only from an engine core behind a data-parallel router with prefix caching on.
     kv_delta: KVCacheDelta | None = None
+    # Requests preempted in the steps since the previous batch (the dashboard's timeline).
+    preempted: list[str] = msgspec.field(default_factory=list)
 
 
 class EngineCoreReady(_Message):
@@ -268,6 +270,7 @@ class TrackRequest(_Message):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    arrival_time: float = 0.0  # time.time() when the request manager took it
 
 
 class CompletionOutput(msgspec.Struct, kw_only=True, gc=False):

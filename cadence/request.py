@@ -122,7 +122,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        # Tokens that came from the prefix cache at the last admission (for stats).
+        # Prompt tokens that came from the prefix cache at the first admission (usage's cached_tokens).
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -1,6 +1,7 @@
 """The aiohttp application: OpenAI's generation endpoints (completions, chat completions, responses)
-plus health, models, version, tokenizer and metrics routes, and vLLM's LoRA load and unload routes
-when runtime updating is allowed, behind two middlewares (API key, errors in OpenAI's shape).
+plus health, models, version, tokenizer and metrics routes, vLLM's LoRA load and unload routes
+when runtime updating is allowed, and the dashboard with ``--dashboard`` (``api/dashboard.py``),
+behind two middlewares (API key, errors in OpenAI's shape).
 
 ``build_app`` takes an engine that is already running; starting and stopping it, signals and
 graceful shutdown belong to ``server.py``.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -20,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import cadence
 from cadence.api.chat import create_chat_completion
 from cadence.api.completions import create_completion
+from cadence.api.dashboard import EVENTS_PATH, LiveDashboard, add_dashboard_routes
 from cadence.api.errors import APIError, bad_request
 from cadence.api.lora_adapters import ServedAdapter
 from cadence.api.offload import in_thread
@@ -46,8 +49,8 @@ from cadence.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 STATE = web.AppKey("cadence_state", APIState)
-# Probes and scrapers reach these without the API key.
-_OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+# Probes, scrapers and the dashboard (what /metrics shows, drawn) reach these without the API key.
+_OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/dashboard", EVENTS_PATH})
 
 Handler = Callable[[web.Request, APIState], Awaitable[web.StreamResponse]]
 
@@ -82,6 +85,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
     if settings.allow_runtime_lora_updating:  # otherwise unknown routes (404), as in vLLM
         app.router.add_post("/v1/load_lora_adapter", route(_load_lora_adapter))
         app.router.add_post("/v1/unload_lora_adapter", route(_unload_lora_adapter))
+    if settings.dashboard:
+        meta = {"model": settings.model_name, "policy": engine.cores[0].client.policy, "engines": len(engine.cores),
+                "started": time.time()}
+        add_dashboard_routes(app, LiveDashboard(engine, meta))
     return app
 
 

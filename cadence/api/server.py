@@ -84,6 +84,10 @@ def register(verbs: Any) -> None:
                    help="seconds an engine core may stay silent while requests are pending before it counts as "
                         "dead (a step that never ends): its requests fail, /health says why "
                         "(default: %(default)s; 0: never)")
+    g.add_argument("--dashboard", action="store_true",
+                   help="serve a live dashboard at /dashboard: queues, batch, KV cache, prefix hits, tokens/s, "
+                        "latency percentiles and a timeline of recent requests (docs/operations.md; like /metrics, "
+                        "it needs no API key)")
     limits = serve.add_argument_group("request limits (docs/operations.md)")
     limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="largest request body accepted; a larger one gets 413 (default: %(default)s, 4 MiB)")
@@ -188,6 +192,7 @@ def run_server(ns: argparse.Namespace) -> int:
         chat_template=chat_template_text(ns.chat_template),
         lora_modules=tuple(ns.lora_modules or ()),
         allow_runtime_lora_updating=allow_lora_updating,
+        dashboard=ns.dashboard,
     )
     options = ServeOptions(host=ns.host, port=ns.port, shutdown_timeout_s=ns.shutdown_timeout,
                            stay_up_on_engine_death=ns.stay_up_on_engine_death, log_level=ns.log_level.upper(),

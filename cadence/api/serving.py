@@ -66,6 +66,7 @@ class ServerSettings:
     # LoRA (docs/lora.md): adapters served from the start, and whether clients may load and unload more.
     lora_modules: tuple[LoRAModule, ...] = ()
     allow_runtime_lora_updating: bool = False
+    dashboard: bool = False  # GET /dashboard, live (api/dashboard.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

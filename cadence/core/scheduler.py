@@ -271,7 +271,8 @@ class Scheduler:
             if not self._preempt_for(request, step, why.KV_BLOCKS):
                 return why.KV_BLOCKS
         request.num_computed_tokens = hit_tokens
-        request.num_cached_tokens = hit_tokens
+        if request.num_preemptions == 0:  # usage counts the prompt's hit, not a resumption's own blocks
+            request.num_cached_tokens = hit_tokens
         request.status = RequestStatus.RUNNING
         step.take(request, num, blocks, hit_tokens)
         return None
@@ -347,9 +348,7 @@ class Scheduler:
             request.num_computed_tokens += num
         self._step_id += 1
         output = SchedulerOutput(
-            step_id=self._step_id,
-            new_requests=new_requests,
-            cached_requests=cached_requests,
+            step_id=self._step_id, new_requests=new_requests, cached_requests=cached_requests,
             num_scheduled_tokens=dict(step.scheduled),
             finished_request_ids=self._finished_since_last_step,
             preempted_request_ids=preempted_ids,

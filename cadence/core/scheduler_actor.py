@@ -65,6 +65,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
         self.executor: Mailbox[Any]
         self.outputs_to: Mailbox[Any]
         self._pending: list[EngineCoreOutput] = []
+        self._preempted: list[str] = []  # since the last output batch
         # Wall time each request was first scheduled, until its first output reports its queue time.
         self._first_scheduled: dict[str, float] = {}
         self._last_emit = time.monotonic()
@@ -82,7 +83,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
                     await anyio.to_thread.run_sync(self.scheduler.wait_for_grammars, _GRAMMAR_WAIT_S)
                 elif self.scheduler.num_unfinished:
                     await self._step()
-                if self._pending or self._heartbeat_due():
+                if self._pending or self._preempted or self._heartbeat_due():
                     await self._emit()
         finally:
             self.executor.close()
@@ -146,6 +147,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
             # Admission checks guarantee the first waiting request fits an empty engine.
             raise RuntimeError(f"no waiting request can be scheduled on an idle engine: {self.scheduler.waiting[0]}")
         now = time.time()
+        self._preempted.extend(step.preempted_request_ids)
         for new in step.new_requests:
             request = self.scheduler.requests[new.request_id]
             if request.num_output_tokens == 0 and request.num_preemptions == 0:
@@ -181,7 +183,8 @@ class SchedulerActor(Actor[SchedulerInbox]):
         for output in outputs:
             if output.finish_reason is not None:
                 self._first_scheduled.pop(output.request_id, None)
-        await self.outputs_to.send(EngineCoreOutputs(outputs, time.time(), self.stats()))
+        preempted, self._preempted = self._preempted, []
+        await self.outputs_to.send(EngineCoreOutputs(outputs, time.time(), self.stats(), preempted=preempted))
 
     def stats(self) -> SchedulerStats:
         scheduler, allocator = self.scheduler, self.scheduler.allocator

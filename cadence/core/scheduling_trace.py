@@ -97,7 +97,7 @@ class SchedulingTrace:
                  "tokens": tokens, "start": start, "samples": start + tokens == request.num_tokens}
         if admitted:
             event["admitted"] = True
-            event["cached"] = request.num_cached_tokens
+            event["cached"] = start  # an admission starts after its prefix-cache hit
         self._file.write(self._encoder.encode(event) + b"\n")
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from cadence.config import EngineConfig
 from cadence.engine.admission import ModelLimits, PreparedRequest, Prompt, prepare_request
 from cadence.engine.core_client import EngineCoreClient
+from cadence.engine.dashboard_feed import DashboardFeed
 from cadence.engine.front_end import CoreFrontEnd, build_front_end
 from cadence.engine.request_manager import RequestHandle
 from cadence.engine.routers.base import RouterContext, load_router, router_class
@@ -174,6 +175,12 @@ class AsyncEngine:
     @property
     def num_pending_requests(self) -> int:
         return sum(c.num_pending for c in self.cores)
+
+    def watch(self, feed: DashboardFeed) -> None:
+        """Tell ``feed`` (one slot per engine core) of every request from now on, and of each engine
+        core's state after its steps (the dashboard)."""
+        for core in self.cores:
+            core.detokenizer.watch(feed, core.rank)
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from cadence.engine.dashboard_feed import DashboardFeed, EngineSample
 from cadence.engine.detokenizer import IncrementalDetokenizer
 from cadence.messages import (
     AbortRequests,
@@ -47,10 +48,17 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
         self.last_heard = time.monotonic()
         self.engine_core: Mailbox[Any]
         self.outputs_to: Mailbox[Any]
+        # --dashboard: the feed told of each sequence's arrival, tokens and end, and of engine core
+        # ``rank``'s state and preemptions (times as the front end sees them).
+        self.feed: DashboardFeed | None = None
+        self.rank = 0
 
     def connect(self, engine_core: Mailbox[Any], outputs_to: Mailbox[Any]) -> None:
         self.engine_core = engine_core
         self.outputs_to = outputs_to
+
+    def watch(self, feed: DashboardFeed, rank: int) -> None:
+        self.feed, self.rank = feed, rank
 
     async def run(self) -> None:
         async with self.inbox:
@@ -59,6 +67,8 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
                     self.sequences[message.request_id] = _Sequence(
                         IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, message.sampling_params),
                         message.sampling_params)
+                    if self.feed is not None:
+                        self.feed.arrived(message.request_id, message.arrival_time)
                 else:
                     await self._process(message)
 
@@ -80,8 +90,23 @@ class DetokenizerActor(Actor[DetokenizerInbox]):
             deltas.append(delta)
         if stopped:
             await self.engine_core.send(AbortRequests(stopped))
+        if self.feed is not None:
+            self._tell_feed(self.feed, batch, deltas)
         if deltas:
             await self.outputs_to.send(DetokenizedOutputs(deltas))
+
+    def _tell_feed(self, feed: DashboardFeed, batch: EngineCoreOutputs, deltas: list[SequenceDelta]) -> None:
+        now = time.time()
+        for request_id in batch.preempted:
+            feed.preempted(request_id, now)
+        for delta in deltas:
+            if delta.queue_time_s is not None:
+                feed.started(delta.request_id, delta.queue_time_s)
+            feed.tokens(delta.request_id, now, len(delta.new_token_ids))
+            if delta.finish_reason is not None:
+                feed.finished(delta.request_id, now, delta.finish_reason)
+        if batch.stats is not None:
+            feed.engine(self.rank, now, EngineSample.of(batch.stats))
 
     def _delta(self, sequence: _Sequence, output: EngineCoreOutput) -> SequenceDelta:
         detokenizer = sequence.detokenizer

@@ -163,7 +163,7 @@ class RequestManager(Actor[DetokenizedOutputs]):
                 params, n=1, seed=None if params.seed is None else params.seed + index)
             parent.unfinished[child_id] = index
             self._children[child_id] = _Child(request_id, parent, index)
-            self.detokenizer.send_nowait(TrackRequest(child_id, prepared.prompt_token_ids, child_params))
+            self.detokenizer.send_nowait(TrackRequest(child_id, prepared.prompt_token_ids, child_params, arrival))
             self.engine_core.send_nowait(EngineCoreRequest(
                 request_id=child_id, prompt_token_ids=prepared.prompt_token_ids, sampling_params=child_params,
                 eos_token_id=self.limits.eos_token_id, arrival_time=arrival, priority=priority, user=user,

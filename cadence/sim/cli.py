@@ -89,6 +89,9 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engines", type=int, default=1,
                    help="simulate a fleet of this many engine cores behind --router (one virtual clock)")
     g.add_argument("--output-dir", default="sim-results", help="folder for results.json and plots")
+    g.add_argument("--dashboard", default=None, metavar="FILE",
+                   help="also write the run as the live dashboard's page (HTML, a slider over the virtual time; "
+                        "with several policies one file each, named as --trace-scheduling's)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
 
@@ -108,8 +111,10 @@ def _policy_specs(ns: argparse.Namespace) -> list[tuple[str, str, dict[str, str]
 
 
 def run_simulate(ns: argparse.Namespace) -> int:
+    from cadence.api.server import default_model_name
     from cadence.bench.metrics import parse_goodput
     from cadence.sim import report
+    from cadence.sim.dashboard_report import SimDashboard
     from cadence.sim.simulator import EngineLimits, simulate
     from cadence.sim.workload import describe, save_trace, synthetic_workload
 
@@ -136,21 +141,26 @@ def run_simulate(ns: argparse.Namespace) -> int:
     print(f"workload: {describe(workload)}", file=sys.stderr)
     results = []
     specs = _policy_specs(ns)
+    pages = []
     for label, name, options in specs:
+        dashboard = None if ns.dashboard is None else SimDashboard(ns.engines)
         result = simulate(workload, limits, name, cost_model, ns.seed, policy_options=options, label=label,
-                          trace_scheduling=_trace_path(config.scheduler.trace_scheduling, label, len(specs)),
+                          trace_scheduling=_per_policy_path(config.scheduler.trace_scheduling, label, len(specs)),
                           engines=ns.engines, router=config.parallel.router, speculative=config.speculative,
-                          draft_acceptance=ns.draft_acceptance)
+                          draft_acceptance=ns.draft_acceptance, dashboard=dashboard)
         print(f"{label}: {result.num_steps} steps, {result.end_time:.1f} s simulated in "
               f"{result.wall_time_s:.2f} s", file=sys.stderr)
         results.append(result)
+        if dashboard is not None:
+            meta = {"model": f"{default_model_name(ns.model)} (simulated)", "policy": label, "engines": ns.engines}
+            pages.append(dashboard.write(_policy_file(ns.dashboard, label, len(specs)), meta))
     rows = report.summaries(results, slos, percentiles)
     print(report.format_table(rows, percentiles))
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(rows, out / "results.json", extra={
         "workload": describe(workload), "limits": vars(limits), "cost_model": cost_model.to_json()})
-    written = [out / "results.json"]
+    written = [out / "results.json", *pages]
     if not ns.no_plots:
         written += report.plot(results, out)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
@@ -206,10 +216,15 @@ def _cost_model(ns: argparse.Namespace, args: EngineArgs, config: EngineConfig) 
     return _calibrate(args, ns.seed, ns.quick_calibration)
 
 
-def _trace_path(path: str | None, label: str, num_policies: int) -> str | None:
-    """``--trace-scheduling FILE`` for one policy's run: FILE itself, or with several policies
-    ``FILE`` with the policy's label before its suffix (``trace.sjf_aging=2.jsonl``)."""
-    if path is None or num_policies == 1:
+def _per_policy_path(path: str | None, label: str, num_policies: int) -> str | None:
+    """``--trace-scheduling FILE`` or ``--dashboard FILE`` for one policy's run (None: not asked)."""
+    return None if path is None else _policy_file(path, label, num_policies)
+
+
+def _policy_file(path: str, label: str, num_policies: int) -> str:
+    """FILE itself, or with several policies FILE with the policy's label before its suffix
+    (``trace.sjf_aging=2.jsonl``)."""
+    if num_policies == 1:
         return path
     file = Path(path)
     return str(file.with_name(f"{file.stem}.{re.sub(r'[^A-Za-z0-9._=-]+', '_', label)}{file.suffix}"))

@@ -26,6 +26,7 @@ from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.policies.clock import VirtualClock
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams
+from cadence.sim.dashboard_report import SimDashboard
 from cadence.sim.runner import SimulatedRunner
 from cadence.sim.workload import FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, RequestSpec
 
@@ -61,6 +62,7 @@ class SimEngine:
         self.steps: list[StepRecord] = []
         self.busy_until: float | None = None  # the running step's end
         self._result: ModelRunnerOutput | None = None
+        self.dashboard: SimDashboard | None = None
 
     @property
     def load(self) -> int:
@@ -77,6 +79,8 @@ class SimEngine:
             raise RuntimeError(f"no waiting request can be scheduled on an idle engine: {scheduler.waiting[0]}")
         if self.on_step is not None:
             self.on_step(scheduler, out)
+        if self.dashboard is not None:
+            self.dashboard.step_started(scheduler, out, now)
         self._result, shape, duration = self.runner.execute(out)
         self.steps.append(StepRecord(now, duration, shape.num_seqs, shape.num_tokens, shape.prefill_tokens,
                                      shape.decode_seqs, shape.kv_tokens, len(scheduler.running),
@@ -92,19 +96,23 @@ class SimEngine:
         now, result = self.busy_until, self._result
         self.busy_until = self._result = None
         self.scheduler.observe_step_time(self.steps[-1].duration)
-        for output in self.scheduler.update_from_output(result):
+        outputs = self.scheduler.update_from_output(result)
+        for output in outputs:
             if output.new_token_ids:
                 chunk_times[output.request_id].append(now)
                 num_tokens[output.request_id] += len(output.new_token_ids)
             if output.finish_reason is not None:
                 finish_reasons[output.request_id] = output.finish_reason
+        if self.dashboard is not None:
+            self.dashboard.step_finished(self.rank, self.scheduler, outputs, now)
 
 
 class RunLoop:
     """One simulation's mutable state and its loop."""
 
     def __init__(self, workload: Sequence[RequestSpec], max_model_len: int, engines: Sequence[SimEngine],
-                 router: Router | None, clock: VirtualClock, seed: int, max_steps: int | None) -> None:
+                 router: Router | None, clock: VirtualClock, seed: int, max_steps: int | None,
+                 dashboard: SimDashboard | None = None) -> None:
         # Stable order by arrival; ids are the spec's or its index.
         self.specs = sorted(workload, key=lambda s: s.arrival_time)
         self.ids = [s.request_id if s.request_id is not None else str(i) for i, s in enumerate(self.specs)]
@@ -120,6 +128,9 @@ class RunLoop:
         self.num_tokens: dict[str, int] = dict.fromkeys(self.ids, 0)
         self.finish_reasons: dict[str, str] = {}
         self._params: dict[int, SamplingParams] = {}
+        self.dashboard = dashboard
+        for engine in self.engines:
+            engine.dashboard = dashboard
 
     @property
     def steps(self) -> list[StepRecord]:
@@ -146,6 +157,8 @@ class RunLoop:
                 started = []  # idle engines that got a request: only arrivals give an idle engine work
                 while next_arrival < len(specs) and specs[next_arrival].arrival_time <= now:
                     request = self._request(next_arrival)
+                    if self.dashboard is not None:
+                        self.dashboard.arrived(request.request_id, now)
                     engine = self._route(request)
                     engine.scheduler.add_request(request)
                     if engine.busy_until is None and engine not in started:
@@ -156,6 +169,10 @@ class RunLoop:
                 num_steps += 1
             if self.max_steps is not None and num_steps > self.max_steps:
                 raise RuntimeError(f"the simulation ran past {self.max_steps} steps without finishing")
+            if self.dashboard is not None:
+                self.dashboard.tick(now)
+        if self.dashboard is not None:
+            self.dashboard.finish(clock.time)
 
     def _route(self, request: Request) -> SimEngine:
         if self.router is None:

@@ -31,6 +31,7 @@ from cadence.messages import SpecDecodeStats
 from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.clock import Clock, VirtualClock
 from cadence.policies.loader import load_policy
+from cadence.sim.dashboard_report import SimDashboard
 from cadence.sim.run_loop import RunLoop, SimEngine, StepHook, StepRecord
 from cadence.sim.runner import ACCEPTANCE_ARG, SimulatedDrafts, SimulatedRunner
 from cadence.sim.workload import RequestSpec
@@ -178,6 +179,7 @@ def simulate(
     router: str = "prefix-aware",
     speculative: SpeculativeConfig | None = None,
     draft_acceptance: float = 0.7,
+    dashboard: SimDashboard | None = None,
 ) -> SimResult:
     """Run ``workload`` through the real scheduler under ``policy`` on a virtual clock.
 
@@ -201,6 +203,9 @@ def simulate(
     each step and a verification accepts each with probability ``draft_acceptance`` (up to the first
     rejection), or a request's own ``draft_acceptance`` extra arg; the cost model prices the drafts
     (its ``draft_tokens``).
+
+    ``dashboard`` is fed the run as the live dashboard's feed is fed a server's (its snapshots make
+    ``simulate --dashboard``'s report).
 
     :raises ValueError: for a request the engine would reject, an unknown policy or router, a
         policy object with several engines, or speculation with a cost model that prices no drafts.
@@ -241,7 +246,7 @@ def simulate(
                               cost_model=model, trace=trace,
                               speculation=None if speculative is None else SpecDecoding(speculative))
         sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model, drafts, seed + rank), on_step))
-    run = RunLoop(workload, limits.max_model_len, sim_engines, fleet, clock, seed, max_steps)
+    run = RunLoop(workload, limits.max_model_len, sim_engines, fleet, clock, seed, max_steps, dashboard)
     started = time.perf_counter()
     try:
         run.run()

@@ -391,7 +391,9 @@ def test_priority_preempts_a_lower_priority_running_request_for_a_higher_waiting
     assert fourth.out.new_requests[0].token_ids == [*toks(100, 4), TOKEN]
     assert fourth.out.new_requests[0].num_computed_tokens == 4
     assert fourth.out.new_requests[0].block_ids == [[1, 4]]
-    assert low.num_cached_tokens == 4
+    # Usage's cached tokens are the prompt's hit at the first admission (none), not the resumption's
+    # own blocks (which would count more cached tokens than the prompt has once it has output).
+    assert low.num_cached_tokens == 0 and [o.num_cached_tokens for o in fourth.outputs] == [0]
     assert scheduler.num_preemptions == 1
 
 

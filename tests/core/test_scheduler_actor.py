@@ -131,6 +131,19 @@ def run(actor: SchedulerActor) -> None:
     anyio.run(main)
 
 
+def test_each_output_batch_names_the_requests_its_step_preempted() -> None:
+    actor = make_actor(num_blocks=5)  # four usable blocks of 4 tokens: two requests outgrow them
+    fake, outputs = connect(actor, {"r1", "r2"})
+    actor.send_nowait(new_request("r1", list(range(1, 7)), max_tokens=8))
+    actor.send_nowait(new_request("r2", list(range(20, 26)), max_tokens=8))
+    run(actor)
+
+    preempted = [s.preempted_request_ids for s in fake.steps]
+    assert ["r2"] in preempted  # the later request made room for the earlier one
+    assert [b.preempted for b in outputs.batches] == preempted  # each step's outputs went out alone
+    assert actor.scheduler.num_preemptions == sum(map(len, preempted))
+
+
 def test_requests_in_outputs_with_stats_out() -> None:
     actor = make_actor()
     fake, outputs = connect(actor, {"r1", "r2"})
