@@ -147,6 +147,11 @@ class SpeculativeConfig:
                  "--speculative-config: method 'draft_model' needs a 'model' (the draft's path), "
                  "and only it takes one")
 
+    @property
+    def uses_draft_model(self) -> bool:
+        """Whether proposals take a model's forwards (n-gram lookups cost next to nothing)."""
+        return self.method == "draft_model"
+
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
         """``--speculative-config``'s JSON (or ``LLM(speculative_config={...})``'s dict); None: off.

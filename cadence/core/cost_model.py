@@ -1,7 +1,7 @@
 """The simulator's step-time model: a linear cost over what a step computes, fitted to real timings.
 
 ``step_time = const + prefill_tokens·c + decode_seqs·c + kv_tokens·c + prefill_attn·c + prefills·c
-+ sampled·c + draft_tokens·c`` where, for one engine step,
++ sampled·c + draft_tokens·c + draft_rounds·c + draft_rows·c`` where, for one engine step,
 
 - ``prefill_tokens``: tokens of requests given more than one token (linear layers, KV writes);
 - ``decode_seqs``: requests given exactly one token (the same layers, one row each);
@@ -14,6 +14,10 @@
 - ``draft_tokens``: speculative decoding's drafted tokens verified with the decodes (a decode that
   verifies ``k`` drafts counts as a decode plus ``k`` of these: more rows of every layer, a short
   attention tile). A fit calibrated without speculation has none, and prices them at 0.
+- ``draft_rounds``, ``draft_rows``: a draft model's proposals after the step (``method:
+  draft_model``): its forwards (as many as the most drafts asked of one request) and the drafts
+  asked in all (one row each). N-gram lookups cost nothing here; a fit without a draft model
+  prices them at 0.
 
 ``const`` holds the fixed per-step cost: input preparation, the engine loop, actor messages.
 Coefficients are seconds per unit, fitted by least squares with non-negative coefficients on
@@ -33,7 +37,9 @@ from typing import Any
 import numpy as np
 
 FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn", "prefills", "sampled",
-            "draft_tokens")
+            "draft_tokens", "draft_rounds", "draft_rows")
+# What a draft model's proposals cost (the step time's part that ModelRunnerOutput.draft_time_s is).
+DRAFT_FEATURES = ("draft_rounds", "draft_rows")
 _FORMAT = "cadence-cost-model"
 _REWEIGHTS = 8
 # A step far off the fit was slowed by something else on the machine (or was a one-off, like a
@@ -57,6 +63,11 @@ DEFAULT_COEFFICIENTS: dict[str, float] = {
     # Not from that fit: the marginal cost of a verified draft on the same model and machine, measured
     # with benchmarks/speculative_decoding.py's engine (a step of 1, 5 and 9 rows: 4.5, 9.5, 14 ms).
     "draft_tokens": 1.2e-3,
+    # Not from that fit either: the default model's Q4_1 GGUF drafting (for its bf16 self), one forward
+    # for one request 5.7 ms (docs/speculative_decoding.md), of which a row is taken to cost what a
+    # decode row of the same model costs in the fit above.
+    "draft_rounds": 4.6e-3,
+    "draft_rows": 1.09e-3,
 }
 DEFAULT_METADATA: dict[str, Any] = {
     "model": "SmolLM2-135M-Instruct.Q4_1", "dtype": "bfloat16", "quantization": "gguf", "attention_backend": "sdpa",
@@ -77,6 +88,8 @@ class StepShape:
     prefills: int = 0
     sampled: int = 0
     draft_tokens: int = 0
+    draft_rounds: int = 0
+    draft_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +98,7 @@ class StepShape:
     def features(self) -> list[float]:
         """Values in :data:`FEATURES` order (``const`` is 1)."""
         return [1.0, self.prefill_tokens, self.decode_seqs, self.kv_tokens, self.prefill_attn, self.prefills,
-                self.sampled, self.draft_tokens]
+                self.sampled, self.draft_tokens, self.draft_rounds, self.draft_rows]
 
 
 def step_shape(chunks: Iterable[tuple[int, int, bool, int]]) -> StepShape:
@@ -151,7 +164,17 @@ class CostModel:
     def step_time(self, shape: StepShape) -> float:
         c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
         return (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_seqs + c[3] * shape.kv_tokens
-                + c[4] * shape.prefill_attn + c[5] * shape.prefills + c[6] * shape.sampled + c[7] * shape.draft_tokens)
+                + c[4] * shape.prefill_attn + c[5] * shape.prefills + c[6] * shape.sampled + c[7] * shape.draft_tokens
+                + self.draft_time(shape))
+
+    def draft_time(self, shape: StepShape) -> float:
+        """The part of :meth:`step_time` a draft model's proposals take."""
+        c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
+        return c[8] * shape.draft_rounds + c[9] * shape.draft_rows
+
+    @property
+    def prices_draft_models(self) -> bool:
+        return any(self.coefficients.get(name) for name in DRAFT_FEATURES)
 
     # ---- files ---------------------------------------------------------------------------------
 

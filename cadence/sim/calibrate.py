@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from cadence.config import threads_per_rank
-from cadence.core.cost_model import CostModel, FitQuality, StepShape, fit_cost_model
+from cadence.core.cost_model import (
+    DRAFT_FEATURES,
+    FEATURES,
+    CostModel,
+    FitQuality,
+    StepShape,
+    fit_cost_model,
+    fit_quality,
+)
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.sim.replay import replay
 from cadence.sim.runner import ShapeTracker
@@ -54,6 +62,7 @@ class TimedStep:
     start: float
     end: float
     shape: StepShape
+    draft_s: float = 0.0  # a draft model's proposals, within start..end (ModelRunnerOutput.draft_time_s)
 
 
 def default_plan(max_num_seqs: int = 128, max_model_len: int = 8192, seed: int = 0, quick: bool = False,
@@ -129,9 +138,9 @@ class _TimingExecutor:
     executor actor awaits its ``run_step``, one step at a time; the time includes the hand-off to
     the executor's thread and back, as the engine's step loop sees it)."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, draft_model: bool) -> None:
         self.executor = executor
-        self.tracker = ShapeTracker()
+        self.tracker = ShapeTracker(draft_model)
         self.steps: list[TimedStep] = []
         self.phase = 0
 
@@ -139,7 +148,7 @@ class _TimingExecutor:
         shape, _ = self.tracker.step(out)
         start = time.perf_counter()
         result = await self.executor.run_step(out)
-        self.steps.append(TimedStep(self.phase, start, time.perf_counter(), shape))
+        self.steps.append(TimedStep(self.phase, start, time.perf_counter(), shape, result.draft_time_s))
         self.tracker.settle(out, result)
         return result
 
@@ -150,7 +159,8 @@ class _TimingExecutor:
 @contextlib.contextmanager
 def timing(engine: LLM) -> Iterator[_TimingExecutor]:
     """Time every step ``engine`` runs while the context is open (``timer.steps``)."""
-    timer = _TimingExecutor(engine.engine_core.executor)
+    speculative = engine.config.speculative
+    timer = _TimingExecutor(engine.engine_core.executor, speculative is not None and speculative.uses_draft_model)
     engine.engine_core.executor = cast("Executor", timer)
     try:
         yield timer
@@ -179,13 +189,19 @@ def cycle_samples(steps: Sequence[TimedStep], skip_phases: Sequence[int] = (0,))
     spans an idle moment (nothing to run until an arrival) and is left out. Also returns the
     median gap, the engine loop's own time per step.
     """
+    kept, cycles, median_gap = _cycles(steps, skip_phases)
+    return [step.shape for step in kept], cycles, median_gap
+
+
+def _cycles(steps: Sequence[TimedStep], skip_phases: Sequence[int]) -> tuple[list[TimedStep], list[float], float]:
+    """:func:`cycle_samples` with the steps kept rather than their shapes."""
     pairs = [(a, b) for a, b in itertools.pairwise(steps)
              if a.phase == b.phase and a.phase not in skip_phases]
     gaps = np.array([b.start - a.end for a, b in pairs])
     median_gap = float(np.median(gaps)) if len(gaps) else 0.0
     limit = max(0.05, 10 * median_gap)
     kept = [(a, b) for (a, b), gap in zip(pairs, gaps, strict=True) if gap <= limit]
-    return [a.shape for a, _ in kept], [b.start - a.start for a, b in kept], median_gap
+    return [a for a, _ in kept], [b.start - a.start for a, b in kept], median_gap
 
 
 def calibrate(engine: LLM, plan: Sequence[Phase] | None = None, seed: int = 0,
@@ -202,10 +218,25 @@ def calibrate(engine: LLM, plan: Sequence[Phase] | None = None, seed: int = 0,
 
 def fit_timed_steps(engine: LLM, steps: Sequence[TimedStep],
                     wall_time_s: float | None = None) -> tuple[CostModel, FitQuality]:
-    """The cost model of :func:`time_steps`' timings, with where and how they were measured."""
-    shapes, cycles, median_gap = cycle_samples(steps)
+    """The cost model of :func:`time_steps`' timings, with where and how they were measured.
+
+    A draft model's proposals are fitted apart, on the time the worker reports for them: the drafts
+    asked after a step and those it verified move together (always, with a draft that is always
+    right), so one fit of both would split their cost between them at random.
+    """
+    kept, cycles, median_gap = _cycles(steps, (0,))
     metadata = _metadata(engine, len(steps), median_gap)
-    model, quality = fit_cost_model(shapes, cycles)
+    shapes = [step.shape for step in kept]
+    own = [cycle - step.draft_s for step, cycle in zip(kept, cycles, strict=True)]
+    model, _ = fit_cost_model(shapes, own, features=[f for f in FEATURES if f not in DRAFT_FEATURES])
+    coefficients = dict(model.coefficients)
+    proposing = [step for step in kept if step.shape.draft_rounds and step.draft_s > 0]
+    if len(proposing) >= len(DRAFT_FEATURES):
+        fit, _ = fit_cost_model([step.shape for step in proposing], [step.draft_s for step in proposing],
+                                features=DRAFT_FEATURES)
+        coefficients.update(fit.coefficients)
+    model = CostModel(coefficients)
+    quality = fit_quality(model, shapes, cycles)
     metadata["fit"] = quality.to_dict()
     if wall_time_s is not None:
         metadata["calibration_wall_time_s"] = round(wall_time_s, 1)

@@ -95,7 +95,7 @@ class SimEngine:
         assert self._result is not None and self.busy_until is not None
         now, result = self.busy_until, self._result
         self.busy_until = self._result = None
-        self.scheduler.observe_step_time(self.steps[-1].duration)
+        self.scheduler.observe_step_time(self.steps[-1].duration, result.draft_time_s)
         outputs = self.scheduler.update_from_output(result)
         for output in outputs:
             if output.new_token_ids:

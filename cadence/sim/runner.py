@@ -8,7 +8,8 @@ request whose scheduled tokens reach the end of what it knows (and of the drafts
 for the cost model.
 
 With speculative decoding, the simulated worker proposes the drafts the scheduler asks for each
-sampled request (up to ``num_speculative_tokens``), and a verification accepts each draft in turn
+sampled request (up to ``num_speculative_tokens``; a draft model's proposals take the cost model's
+time for them, which the scheduler's back-off is told as the engine's is), and a verification accepts each draft in turn
 with probability ``draft_acceptance`` (stopping at the first rejection), so the scheduler's
 speculation (its drafts, back-off and budget) runs as in the engine, on the acceptance rate one
 chooses to study.
@@ -39,6 +40,7 @@ class SimulatedDrafts:
 
     num_drafts: int
     acceptance: float
+    draft_model: bool = False  # proposals take a draft model's forwards (the cost model prices them)
 
     def __post_init__(self) -> None:
         if self.num_drafts < 1 or not 0.0 <= self.acceptance <= 1.0:
@@ -47,11 +49,16 @@ class SimulatedDrafts:
 
 
 class ShapeTracker:
-    """The runner's persistent batch, reduced to counts; turns each step into its shape."""
+    """The runner's persistent batch, reduced to counts; turns each step into its shape.
 
-    def __init__(self) -> None:
+    With ``draft_model``, a step's shape also counts the proposals the scheduler asks of the draft
+    model after it (``draft_rounds``, ``draft_rows``); n-gram proposals cost nothing to count.
+    """
+
+    def __init__(self, draft_model: bool = False) -> None:
         # request id -> [known tokens, computed tokens]
         self._counts: dict[str, list[int]] = {}
+        self.draft_model = draft_model
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -80,6 +87,9 @@ class ShapeTracker:
                 state[0] = end + 1  # every draft accepted, until settle() says otherwise
             chunks.append((num, end, samples, drafts))
         shape = step_shape(chunks)
+        if self.draft_model:
+            asked = [out.draft_counts.get(request_id, 0) for request_id in sampled]
+            shape.draft_rounds, shape.draft_rows = max(asked, default=0), sum(asked)
         return shape, sampled
 
     def settle(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
@@ -99,7 +109,7 @@ class SimulatedRunner:
 
     def __init__(self, cost_model: CostModel, drafts: SimulatedDrafts | None = None, seed: int = 0) -> None:
         self.cost_model = cost_model
-        self.tracker = ShapeTracker()
+        self.tracker = ShapeTracker(draft_model=drafts is not None and drafts.draft_model)
         self.drafts = drafts
         self._rng = random.Random(seed)
         self._acceptance: dict[str, float] = {}  # requests with their own rate
@@ -119,6 +129,7 @@ class SimulatedRunner:
             result.draft_token_ids = [[SIMULATED_TOKEN_ID] * min(self.drafts.num_drafts, out.draft_counts.get(r, 0))
                                       for r in sampled]
             self.tracker.settle(out, result)
+            result.draft_time_s = self.cost_model.draft_time(shape)
         return result, shape, self.cost_model.step_time(shape)
 
     def _accepted(self, request_id: str, num_drafts: int) -> int:

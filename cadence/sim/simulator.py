@@ -221,7 +221,11 @@ def simulate(
     if speculative is not None and not all(m.coefficients.get("draft_tokens") for m in models):
         raise ValueError("this cost model prices verified drafts at 0 (it was calibrated without speculative "
                          "decoding): calibrate with --speculative-config, or use --cost-model builtin")
-    drafts = None if speculative is None else SimulatedDrafts(speculative.num_speculative_tokens, draft_acceptance)
+    if speculative is not None and speculative.uses_draft_model and not all(m.prices_draft_models for m in models):
+        raise ValueError("this cost model prices a draft model's proposals at 0 (it was calibrated without one): "
+                         "calibrate with the same --speculative-config, or use --cost-model builtin")
+    drafts = None if speculative is None else SimulatedDrafts(speculative.num_speculative_tokens, draft_acceptance,
+                                                              draft_model=speculative.uses_draft_model)
     for spec in workload:
         rate = (spec.extra_args or {}).get(ACCEPTANCE_ARG)
         if rate is not None and not (isinstance(rate, int | float) and 0 <= rate <= 1):

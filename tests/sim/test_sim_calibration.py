@@ -218,6 +218,28 @@ def test_time_steps_times_every_step_of_each_phase(llm: LLM) -> None:
     assert llm.engine_core.executor is executor  # put back afterwards
 
 
+def test_a_draft_models_proposals_are_fitted_on_the_time_the_worker_reports_for_them(llm: LLM) -> None:
+    # Each step verifies as many drafts as it asks for next (a draft that is always right): in the
+    # cycles alone the two are one feature; the worker's draft time tells them apart.
+    def verify(s: StepShape) -> float:
+        return 0.01 + 0.002 * s.decode_seqs + 0.001 * s.draft_tokens
+
+    def propose(s: StepShape) -> float:
+        return 0.003 * s.draft_rounds + 0.0005 * s.draft_rows
+
+    shapes = [StepShape(num_seqs=d, decode_seqs=d, draft_tokens=d * k, draft_rounds=k, draft_rows=d * k)
+              for d in (1, 2, 4, 8) for k in (1, 2, 3, 4)]
+    steps, start = [TimedStep(0, 0.0, 0.001, StepShape())], 1.0
+    for s in shapes:
+        cycle = verify(s) + propose(s)
+        steps.append(TimedStep(1, start, start + cycle - 0.0005, s, draft_s=propose(s)))
+        start += cycle
+    model, quality = fit_timed_steps(llm, steps)
+    assert {k: v for k, v in model.coefficients.items() if v} == pytest.approx(
+        {"const": 0.01, "decode_seqs": 0.002, "draft_tokens": 0.001, "draft_rounds": 0.003, "draft_rows": 0.0005})
+    assert model.prices_draft_models and quality.total_time_ratio == pytest.approx(1.0)
+
+
 def test_fit_timed_steps_fits_the_cycles_and_says_how_they_were_measured(llm: LLM) -> None:
     def cycle(s: StepShape) -> float:
         return 0.01 + 0.001 * s.prefill_tokens + 0.002 * s.decode_seqs

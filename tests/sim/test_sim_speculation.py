@@ -88,17 +88,21 @@ def test_speculation_needs_a_cost_model_that_prices_drafts() -> None:
                  speculative=SPEC)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_a_calibration_with_speculation_prices_drafts_and_the_simulator_uses_it(
-        make_tiny_model: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real engine speculating on the tiny model (its greedy loops are drafted well) gives the
-    fit verification steps; ``simulate --speculative-config`` then runs on that fit."""
+        make_tiny_model: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """The real engine speculating on the tiny model (its greedy loops are drafted well by n-gram
+    lookups; the model drafting for itself is always right) gives the fit verification steps, and
+    the draft model's proposals; ``simulate --speculative-config`` then runs on that fit."""
     monkeypatch.setenv("CADENCE_COST_MODELS_DIR", str(tmp_path / "fits"))
     folder, costs = str(make_tiny_model("llama")), tmp_path / "costs.json"
-    spec = '{"method": "ngram", "prompt_lookup_min": 1}'
+    spec = json.dumps({"method": "ngram", "prompt_lookup_min": 1} if method == "ngram"
+                      else {"method": "draft_model", "model": folder})
     ns = _cli().parse_args(["simulate", "calibrate", "--model", folder, "--dtype", "float32",
                             "--num-kv-blocks", "512", "--quick", "--output", str(costs), "--speculative-config", spec])
     assert ns.run(ns) == 0
-    assert CostModel.load(costs).coefficients.get("draft_tokens", 0) > 0
+    fit = CostModel.load(costs)
+    assert fit.coefficients.get("draft_tokens", 0) > 0 and fit.prices_draft_models == (method == "draft_model")
     ns = _cli().parse_args(["simulate", "--model", folder, "--dtype", "float32", "--num-kv-blocks", "512",
                             "--speculative-config", spec, "--draft-acceptance", "0.8", "--cost-model", str(costs),
                             "--num-requests", "4", "--input-len", "16", "--output-len", "64",
@@ -117,3 +121,51 @@ def test_a_requests_own_acceptance_rate_overrides_the_runs() -> None:
     with pytest.raises(ValueError, match="draft_acceptance must be a number in"):
         simulate([RequestSpec(0.0, 8, 4, extra_args={"draft_acceptance": 2})], EngineLimits(num_kv_blocks=64),
                  cost_model=CostModel.default(), speculative=SPEC)
+
+
+DRAFT_MODEL = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4)
+
+
+def test_a_draft_models_proposals_are_counted_per_forward_and_per_row() -> None:
+    tracker = ShapeTracker(draft_model=True)
+    shape, _ = tracker.step(step(1, 10, [], new=True, propose=3))
+    assert (shape.draft_rounds, shape.draft_rows) == (3, 3)
+    shape, sampled = tracker.step(step(2, 4, [7, 7, 7], computed=10, propose=0))
+    assert sampled == ["r"] and (shape.draft_rounds, shape.draft_rows) == (0, 0)
+    # N-gram lookups are not counted; nor are the counts of a request that does not sample (a prefill chunk).
+    assert ShapeTracker().step(step(1, 10, [], new=True))[0].draft_rows == 0
+    chunk = step(1, 5, [], new=True, propose=4)
+    assert ShapeTracker(draft_model=True).step(chunk)[0] == StepShape(num_seqs=1, prefill_tokens=5, prefills=1,
+                                                                       prefill_attn=25)
+
+
+def test_the_simulated_worker_takes_the_draft_models_time_and_says_so() -> None:
+    costs = CostModel({"const": 0.01, "draft_tokens": 0.002, "draft_rounds": 0.003, "draft_rows": 0.0005})
+    runner = SimulatedRunner(costs, SimulatedDrafts(4, 1.0, draft_model=True))
+    result, shape, seconds = runner.execute(step(1, 10, [], new=True, propose=4))
+    assert result.draft_time_s == pytest.approx(4 * 0.003 + 4 * 0.0005) == costs.draft_time(shape)
+    assert seconds == pytest.approx(0.01 + result.draft_time_s)
+
+
+def test_a_draft_model_needs_a_cost_model_that_prices_it() -> None:
+    with pytest.raises(ValueError, match="draft model's proposals"):
+        simulate([RequestSpec(0.0, 64, 10)], cost_model=CostModel({"const": 0.01, "draft_tokens": 0.001}),
+                 speculative=DRAFT_MODEL)
+    assert CostModel.default().prices_draft_models
+
+
+def test_a_draft_model_that_costs_more_than_it_saves_is_soon_not_asked() -> None:
+    def run_with(draft_rounds: float) -> tuple[float, int]:
+        costs = CostModel({**CostModel.default().coefficients, "draft_rounds": draft_rounds})
+        result = simulate([RequestSpec(0.0, 64, 300)], EngineLimits(num_kv_blocks=64), cost_model=costs,
+                          speculative=DRAFT_MODEL, draft_acceptance=0.7)
+        assert result.spec_decode is not None
+        return result.end_time, result.spec_decode.num_draft_tokens
+
+    cheap_time, cheap_drafts = run_with(0.0005)
+    dear_time, dear_drafts = run_with(0.5)  # a forward of the draft costs a hundred target decodes
+    assert dear_drafts < 0.2 * cheap_drafts  # the back-off priced the proposals and stopped asking
+    assert dear_time > cheap_time
+    ngram = simulate([RequestSpec(0.0, 64, 300)], EngineLimits(num_kv_blocks=64), cost_model=CostModel.default(),
+                     speculative=SPEC, draft_acceptance=0.7)
+    assert ngram.end_time < run_with(CostModel.default().coefficients["draft_rounds"])[0]  # proposals cost time
