@@ -163,6 +163,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def first_run(self) -> bool:
+        """Whether the request has neither produced a token nor been preempted: scheduled now, this
+        is its first step (its queue time ends here)."""
+        return not self.output_token_ids and self.num_preemptions == 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -150,7 +150,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
         self._preempted.extend(step.preempted_request_ids)
         for new in step.new_requests:
             request = self.scheduler.requests[new.request_id]
-            if request.num_output_tokens == 0 and request.num_preemptions == 0:
+            if request.first_run:
                 self._first_scheduled[new.request_id] = now - request.arrival_time
         await self.executor.send(step)
         while True:

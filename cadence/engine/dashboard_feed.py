@@ -102,7 +102,9 @@ class DashboardFeed:
         self._itl = _Window(window_s)
         self._tokens = _Window(rate_s)
         self._engines: list[EngineSample | None] = [None] * num_engines
-        # (time, prefix-cache queries, hits) summed over the engines, after each engine's step.
+        # Prefix-cache queries and hits summed over the engines' latest samples, kept by difference;
+        # and (time, those sums) after each engine's step.
+        self._prefix_queries = self._prefix_hits = 0
         self._prefix: deque[tuple[float, int, int]] = deque()
         self.num_requests = 0
         self.num_tokens = 0
@@ -157,9 +159,11 @@ class DashboardFeed:
 
     def engine(self, rank: int, t: float, sample: EngineSample) -> None:
         """Engine core ``rank``'s state after a step that ended at ``t``."""
+        before = self._engines[rank]
         self._engines[rank] = sample
-        known = [s for s in self._engines if s is not None]
-        self._prefix.append((t, sum(s.prefix_queries for s in known), sum(s.prefix_hits for s in known)))
+        self._prefix_queries += sample.prefix_queries - (before.prefix_queries if before else 0)
+        self._prefix_hits += sample.prefix_hits - (before.prefix_hits if before else 0)
+        self._prefix.append((t, self._prefix_queries, self._prefix_hits))
 
     # ---- what the page draws -----------------------------------------------------------------
 

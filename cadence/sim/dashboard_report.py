@@ -36,7 +36,7 @@ class SimDashboard:
         feed = self.feed
         for new in out.new_requests:
             request = scheduler.requests[new.request_id]
-            if request.num_output_tokens == 0 and request.num_preemptions == 0:
+            if request.first_run:
                 feed.started(new.request_id, now - request.arrival_time)
         for request_id in out.preempted_request_ids:
             feed.preempted(request_id, now)
