@@ -173,6 +173,12 @@ class CostModel:
         return c[8] * shape.draft_rounds + c[9] * shape.draft_rows
 
     @property
+    def prices_speculation(self) -> bool:
+        """Whether verified drafts have their price: a cost, or a calibration with speculation that
+        found them free."""
+        return bool(self.coefficients.get("draft_tokens")) or bool(self.metadata.get("speculative"))
+
+    @property
     def prices_draft_models(self) -> bool:
         return any(self.coefficients.get(name) for name in DRAFT_FEATURES)
 

@@ -43,7 +43,7 @@ class EngineSample:
 class _Life:
     """One request's phases: (name, start) in order, and how it ended."""
 
-    __slots__ = ("arrival", "end", "last_token", "phases", "reason", "seq")
+    __slots__ = ("arrival", "end", "last_token", "phases", "preemptions", "reason", "seq")
 
     def __init__(self, arrival: float, seq: int) -> None:
         self.arrival = arrival
@@ -52,6 +52,8 @@ class _Life:
         self.last_token: float | None = None
         self.end: float | None = None
         self.reason: str | None = None
+        # One span may hold several: preempted again after its recompute, before a token came out.
+        self.preemptions = 0
 
     def enter(self, phase: str, t: float) -> None:
         if self.end is None and self.phases[-1][0] != phase:
@@ -145,7 +147,8 @@ class DashboardFeed:
 
     def preempted(self, request_id: str, t: float) -> None:
         life = self._lives.get(request_id)
-        if life is not None:
+        if life is not None and life.end is None:
+            life.preemptions += 1
             life.enter(PREEMPTED, t)
 
     def finished(self, request_id: str, t: float, reason: str) -> None:
@@ -192,8 +195,8 @@ class DashboardFeed:
             "requests": self.num_requests,
             "finished": self._num_finished,
             "output_tokens": self.num_tokens,
-            "timeline": [{"id": rid, "arrival": life.arrival, "spans": life.spans(), "reason": life.reason}
-                         for rid, life in self._latest()],
+            "timeline": [{"id": rid, "arrival": life.arrival, "spans": life.spans(), "reason": life.reason,
+                          "preemptions": life.preemptions} for rid, life in self._latest()],
         }
 
     def _latest(self) -> Iterator[tuple[str, _Life]]:

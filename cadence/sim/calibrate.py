@@ -264,6 +264,9 @@ def _metadata(engine: LLM, num_steps: int, median_gap: float) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        # Verified drafts can cost too little to measure (a small model's step is its overhead): the
+        # fit's draft_tokens is then 0, and this says it was looked for (CostModel.prices_speculation).
+        "speculative": None if config.speculative is None else config.speculative.method,
         "num_steps_timed": num_steps,
         "median_loop_gap_s": median_gap,
     }

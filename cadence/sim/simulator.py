@@ -218,7 +218,7 @@ def simulate(
         raise ValueError(f"{engines} engine(s) need as many cost models, got {len(models)}")
     for spec in workload:
         limits.check(spec)
-    if speculative is not None and not all(m.coefficients.get("draft_tokens") for m in models):
+    if speculative is not None and not all(m.prices_speculation for m in models):
         raise ValueError("this cost model prices verified drafts at 0 (it was calibrated without speculative "
                          "decoding): calibrate with --speculative-config, or use --cost-model builtin")
     if speculative is not None and speculative.uses_draft_model and not all(m.prices_draft_models for m in models):

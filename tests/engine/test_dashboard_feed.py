@@ -23,9 +23,22 @@ def test_a_request_goes_through_its_phases() -> None:
     feed.tokens("a", 13.5, 2)
     feed.finished("a", 14.0, "length")
     [row] = feed.snapshot(14.0)["timeline"]
-    assert row == {"id": "a", "arrival": 10.0, "reason": "length",
+    assert row == {"id": "a", "arrival": 10.0, "reason": "length", "preemptions": 1,
                    "spans": [["waiting", 10.0, 10.5], ["prefill", 10.5, 11.0], ["decode", 11.0, 12.0],
                              ["preempted", 12.0, 13.5], ["decode", 13.5, 14.0]]}
+
+
+def test_a_second_preemption_before_a_token_is_counted_in_the_same_span() -> None:
+    feed = DashboardFeed()
+    feed.arrived("a", 0.0)
+    feed.tokens("a", 1.0, 1)
+    feed.preempted("a", 2.0)
+    feed.preempted("a", 3.0)  # recomputed, then preempted again before its next token
+    feed.tokens("a", 4.0, 1)
+    [row] = feed.snapshot(4.0)["timeline"]
+    assert row["preemptions"] == 2
+    assert row["spans"] == [["waiting", 0.0, 1.0], ["decode", 1.0, 2.0], ["preempted", 2.0, 4.0],
+                            ["decode", 4.0, None]]
 
 
 def test_a_start_heard_after_a_preemption_goes_before_it() -> None:
