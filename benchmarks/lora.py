@@ -2,8 +2,8 @@
 
 Two workloads (random prompt tokens, greedy, EOS ignored, prefix caching off): **batch**, 64
 requests at once (W1's shape: 128 tokens in, 128 out), and **single**, one request of 128 in and 256
-out (one user's decode speed). Three engines run them, each in a process of its own, alternating
-``--repeats`` times (a warm-up request first):
+out (one user's decode speed). Three engines, side by side in this process, take turns at each
+workload ``--repeats`` times (``engine_runs.py``; a warm-up request first):
 
 - **base**: the base model, LoRA off;
 - **lora-off-rows**: ``--enable-lora`` but no request names an adapter (what enabling costs);
@@ -12,7 +12,7 @@ out (one user's decode speed). Three engines run them, each in a process of its 
   single request on one of them.
 
 The adapters are written here in PEFT's format with random weights (no training, no download).
-Prints the median output tokens/s of each and the ratio to base. A benchmark, never a test:
+Prints the output tokens/s of each and the ratio to base, with its 95% interval. A benchmark, never a test:
 
     python benchmarks/lora.py [--quantization none --dtype bfloat16] [--num-threads 2]
 """
@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from engine_runs import add_model_options, alternate
+from engine_runs import add_model_options, interleave, ratio, tokens_per_s
 from safetensors.torch import save_file
 
 from cadence import LLM, LoRARequest, SamplingParams
@@ -56,52 +55,54 @@ def write_adapter(folder: Path, limits: AdapterLimits, rank: int, seed: int) -> 
     return folder
 
 
-def measure(ns: argparse.Namespace, label: str) -> dict[str, dict[str, float]]:
-    """Each workload's seconds, output tokens and tokens/s on the engine ``label`` names."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 40000) for _ in range(128)] for _ in range(66)]
-    lora_args: dict[str, Any] = {} if label == "base" else {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16}
-    llm = LLM(model=ns.model, quantization=ns.quantization, dtype=ns.dtype, num_threads=ns.num_threads,
-              enable_prefix_caching=False, **lora_args)
-    loras: list[LoRARequest | None] = [None] * 64
-    if label == "4-adapters":
-        limits = AdapterLimits.of(load_hf_config(resolve_model(ns.model)), 16)
-        folder = Path(tempfile.mkdtemp(prefix="cadence-lora-bench-"))
-        adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(folder / f"a{i}", limits, 16, i))) for i in range(4)]
-        loras = [adapters[i % 4] for i in range(64)]
-        llm.generate(prompts[-1:] * 4, SamplingParams(max_tokens=4), lora_request=adapters, use_tqdm=False)
-    llm.generate(prompts[-1:], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
-    results = {}
-    for name, batch, lora_batch, max_tokens in (("batch", prompts[:64], loras, 128),
-                                                ("single", prompts[64:65], loras[:1], 256)):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        outputs = llm.generate(batch, params, lora_request=lora_batch, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        results[name] = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
-    llm.shutdown()
-    return results
+def engines(ns: argparse.Namespace) -> tuple[dict[str, LLM], list[LoRARequest]]:
+    """The three engines, warmed up, and the 4 adapters."""
+    warm = [random.Random(1).randrange(1000, 40000) for _ in range(128)]
+    made = {}
+    for label in LABELS:
+        lora_args: dict[str, Any] = {} if label == "base" else {"enable_lora": True, "max_loras": 4,
+                                                                "max_lora_rank": 16}
+        made[label] = LLM(model=ns.model, quantization=ns.quantization, dtype=ns.dtype, num_threads=ns.num_threads,
+                          enable_prefix_caching=False, **lora_args)
+        made[label].generate([warm], SamplingParams(max_tokens=16), use_tqdm=False)
+    limits = AdapterLimits.of(load_hf_config(resolve_model(ns.model)), 16)
+    folder = Path(tempfile.mkdtemp(prefix="cadence-lora-bench-"))
+    adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(folder / f"a{i}", limits, 16, i))) for i in range(4)]
+    made["4-adapters"].generate([warm] * 4, SamplingParams(max_tokens=4), lora_request=adapters, use_tqdm=False)
+    return made, adapters
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_options(parser, LABELS)
+    add_model_options(parser)
     ns = parser.parse_args()
-    if ns.only is not None:
-        print(json.dumps(measure(ns, ns.only)))
-        return
-    runs = alternate(LABELS, ns.repeats)
-    print(f"{'workload':8} {'engine':14} {'out tok/s':>10} {'vs base':>8}   (median of {ns.repeats})")
+    llms, adapters = engines(ns)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(128)] for _ in range(65)]
+
+    def work(batch: list[list[int]], max_tokens: int) -> Callable[[str, LLM], int]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+        def run(label: str, llm: LLM) -> int:
+            loras = [adapters[i % 4] for i in range(len(batch))] if label == "4-adapters" else None
+            outputs = llm.generate(batch, params, lora_request=loras, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outputs)
+        return run
+
+    runs = interleave(llms, [("batch", work(prompts[:64], 128)), ("single", work(prompts[64:], 256))], ns.repeats)
+    print(f"{'workload':8} {'engine':14} {'out tok/s':>10} {'vs base':>8} {'95% interval':>14}"
+          f"   ({ns.repeats} repeats, interleaved)")
     summary: dict[str, dict[str, Any]] = {}
     for workload in ("batch", "single"):
-        base = statistics.median(r[workload]["tok_s"] for r in runs["base"])
         for label in LABELS:
-            tok_s = statistics.median(r[workload]["tok_s"] for r in runs[label])
-            summary.setdefault(workload, {})[label] = {"tok_s": tok_s, "ratio": tok_s / base}
-            print(f"{workload:8} {label:14} {tok_s:10.1f} {tok_s / base:8.2f}")
+            tok_s = tokens_per_s(runs[label][workload])
+            mid, low, high = ratio(runs["base"][workload], runs[label][workload])
+            summary.setdefault(workload, {})[label] = {"tok_s": tok_s, "ratio": mid, "interval": [low, high]}
+            print(f"{workload:8} {label:14} {tok_s:10.1f} {mid:8.2f} {f'{low:.2f}-{high:.2f}':>14}")
     if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
+        Path(ns.output_json).write_text(json.dumps({"summary": summary, "runs": {
+            label: {w: [vars(t) for t in timed] for w, timed in by_workload.items()}
+            for label, by_workload in runs.items()}}, indent=2))
 
 
 if __name__ == "__main__":

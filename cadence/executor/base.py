@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import functools
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -16,6 +19,8 @@ from cadence.distributed.group import init_tensor_parallel
 from cadence.executor.worker import Worker
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.models.loader import load_hf_config
+
+_T = TypeVar("_T")
 
 
 class WorkerError(RuntimeError):
@@ -56,32 +61,45 @@ class Executor(abc.ABC):
         """Stop the workers (idempotent); the executor is unusable afterwards."""
 
 
+@functools.cache
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread of this process that every in-process worker's torch calls run on."""
+    return ThreadPoolExecutor(1, thread_name_prefix="cadence-model")
+
+
 class UniExecutor(Executor):
     """One worker in the engine core's process: no copies, no collectives (the default for one rank).
 
-    Every torch call of the worker (loading, sizing the cache, each step) runs on one thread of its
-    own. OpenMP keeps a thread team per calling thread; a second team (the loading thread's, idle)
-    takes libgomp past one thread per core, where it stops spinning between parallel regions, and
-    each of a forward's ~1000 regions then pays a futex wake-up: 120 ms instead of 82 ms per
-    batch-64 decode step on 2 cores, measured here.
+    Every torch call of the worker (loading, sizing the cache, each step) runs on the process's model
+    thread (:func:`model_thread`), which the workers of every engine in the process share. OpenMP
+    keeps a thread team per calling thread; a second team (another thread's, idle) takes libgomp past
+    one thread per core, where it stops spinning between parallel regions, and each of a forward's
+    ~1000 regions then pays a futex wake-up: 120 ms instead of 82 ms per batch-64 decode step on 2
+    cores, measured here. Engines in one process (two ``LLM``s, the tests) thus take turns at the
+    cores rather than slowing each other down.
     """
 
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig) -> None:
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="cadence-model")
-        self.worker = self._thread.submit(Worker, config, hf_config,
-                                          local_rank=config.parallel.device_index(0)).result()
+        self._closed = False
+        self.worker = self._submit(Worker, config, hf_config, local_rank=config.parallel.device_index(0)).result()
         self.num_blocks = self.worker.num_blocks
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        return self._thread.submit(self.worker.execute_model, step).result()
+        return self._submit(self.worker.execute_model, step).result()
 
     async def run_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
         # Straight to the model's thread: one thread hop each way, not two through anyio's worker
         # thread (0.1-0.2 ms a step at batch 1, docs/benchmarks.md). Cancelling abandons the future.
-        return await asyncio.wrap_future(self._thread.submit(self.worker.execute_model, step))
+        return await asyncio.wrap_future(self._submit(self.worker.execute_model, step))
 
     def shutdown(self) -> None:
-        self._thread.shutdown(wait=False)
+        self._closed = True  # the thread is the process's: other engines may still use it
+
+    def _submit(self, call: Callable[..., _T], *args: Any, **kwargs: Any) -> Future[_T]:
+        """:raises RuntimeError: after :meth:`shutdown`."""
+        if self._closed:
+            raise RuntimeError("this executor is shut down")
+        return model_thread().submit(call, *args, **kwargs)
 
 
 def start_worker(config: EngineConfig, rank: int, rendezvous: str | dist.Store, local_rank: int) -> Worker:

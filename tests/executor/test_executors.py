@@ -184,6 +184,17 @@ def test_uni_executor_loads_and_steps_on_one_thread_of_its_own(uni: Callable[...
     assert worker.threads[0] != threading.current_thread().name
 
 
+def test_every_uni_executor_of_a_process_runs_on_one_model_thread(uni: Callable[..., UniExecutor]) -> None:
+    """One OpenMP team in the process: a second, idle one slows every parallel region down."""
+    first, second = uni(), uni()
+    first.execute_model(step(1, {"a": 1}))
+    second.execute_model(step(1, {"a": 1}))
+    first.shutdown()  # the thread stays for the other engine
+    second.execute_model(step(2, {"a": 1}))
+    threads = {*first.worker.threads, *second.worker.threads}
+    assert len(threads) == 1 and threads.pop().startswith("cadence-model")
+
+
 def test_uni_executor_picks_its_engine_cores_device(uni: Callable[..., UniExecutor]) -> None:
     """Data-parallel engine core 1 of 2, one rank each: device 1."""
     assert uni().worker.local_rank == 0
