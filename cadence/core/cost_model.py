@@ -253,9 +253,13 @@ def fit_cost_model(
         residual = (y - predicted) / predicted
         spread = 1.4826 * float(np.median(np.abs(residual[keep])))  # a robust standard deviation
         keep = np.abs(residual) <= max(_OUTLIER_SIGMAS * spread, _MIN_OUTLIER_BAND)
-        coef = _nonnegative_lstsq(x[keep] / predicted[keep, None], y[keep] / predicted[keep])
+        previous, coef = coef, _nonnegative_lstsq(x[keep] / predicted[keep, None], y[keep] / predicted[keep])
+        # A fixed point (the same weights and outliers next time): the engine refits every few steps,
+        # and the simulator's times, without noise, get there at once.
+        if np.allclose(coef, previous, rtol=1e-6, atol=0.0):
+            break
     model = CostModel({n: float(c) for n, c in zip(names, coef, strict=True)}, dict(metadata or {}))
-    return model, fit_quality(model, shapes, times)
+    return model, _quality(x @ coef, y)
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -289,8 +293,10 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_quality(model: CostModel, shapes: Sequence[StepShape], times: Sequence[float]) -> FitQuality:
-    y = np.asarray(times, dtype=np.float64)
-    pred = np.array([model.step_time(s) for s in shapes])
+    return _quality(np.array([model.step_time(s) for s in shapes]), np.asarray(times, dtype=np.float64))
+
+
+def _quality(pred: np.ndarray, y: np.ndarray) -> FitQuality:
     rel = np.abs(pred - y) / y
     ss_res = float(((pred - y) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0
