@@ -7,12 +7,22 @@ Offline: 64 random prompts of 128 tokens, 128 greedy output tokens each with EOS
 Serving: the same prompts as 64 streaming ``/v1/completions`` requests from 32 concurrent clients,
 measured by ``cadence bench serve`` (vLLM's metric definitions) against a ``cadence serve`` this
 script starts and then against each ``--peer NAME=BASE_URL`` (started by you, serving the same
-model). Prints each side's figures and cadence's ratio to it. A benchmark, never a test.
+model). Prints each side's figures and cadence's ratio to it. ``--goals`` picks the parts (issue 18's goals):
+
+- ``offline``: the offline workload above (goal 5's shape, against transformers);
+- ``serving``: the serving workload above (goal 1's table);
+- ``single``: one user: 4 requests one at a time, 32 tokens in and 256 out (goal 3), output tok/s;
+- ``sweep``: the throughput-latency curve (goal 2): ``bench sweep``'s ShareGPT-like requests at
+  each of ``--sweep-rates``, goodput under ``ttft:1000 tpot:60``, cadence's goodput and p99s
+  against each peer's at each rate, and the curves as a PNG with ``--plot``.
+
+A benchmark, never a test:
 
     python benchmarks/compare.py
+    python benchmarks/compare.py --goals serving,single,sweep --peer vllm=http://127.0.0.1:8001 --plot curve.png
     python benchmarks/compare.py --peer vllm=http://127.0.0.1:8001 --peer llama.cpp=http://127.0.0.1:8002
-    python benchmarks/compare.py --skip-offline --server-arg=--num-threads=2
-    python benchmarks/compare.py --skip-offline --peer vllm=URL --workload-arg=--dataset-name=prefix-repetition
+    python benchmarks/compare.py --goals serving --server-arg=--num-threads=2
+    python benchmarks/compare.py --goals serving --peer vllm=URL --workload-arg=--dataset-name=prefix-repetition
 
 The last is the shared-prefix workload (a 1,024-token prefix, 64 distinct tokens after it; prefix
 caching on in both servers): the table then adds each server's prefix-cache hit rate.
@@ -26,8 +36,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cadence.bench import serve, throughput
-from cadence.bench.sweep import parse_servers
+from cadence.bench import serve, sweep, throughput
+from cadence.bench.sweep import parse_rates, parse_servers
+
+GOALS = ("offline", "serving", "single", "sweep")
+SWEEP_SLOS = ["ttft:1000", "tpot:60"]
 
 # Serving figures compared side by side: (key in BenchmarkMetrics.to_dict(), label, higher is better).
 _SERVING_FIGURES = (
@@ -56,13 +69,58 @@ def offline(workload: list[str]) -> dict[str, Any]:
 
 
 def serving(base_url: str, workload: list[str]) -> dict[str, Any]:
+    return _measure(base_url, ["--num-prompts", "64", "--max-concurrency", "32", *workload])
+
+
+def single_stream(base_url: str, workload: list[str]) -> dict[str, Any]:
+    return _measure(base_url, ["--num-prompts", "4", "--max-concurrency", "1", "--input-len", "32",
+                               "--output-len", "256", *workload])
+
+
+def _measure(base_url: str, args: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    ns = parser.parse_args(["--base-url", base_url, "--num-prompts", "64", "--max-concurrency", "32",
-                            "--ignore-eos", "--disable-tqdm", *workload])
+    ns = parser.parse_args(["--base-url", base_url, "--ignore-eos", "--disable-tqdm", *args])
     model, metrics = serve.measure(ns)
     print(serve.format_report(metrics, title=f" {base_url} ({model}) "))
     return metrics.to_dict()
+
+
+def curves(servers: dict[str, str], rates: str, workload: list[str], plot: str | None) -> dict[str, Any]:
+    """Every server's throughput-latency curve on the same ShareGPT-like requests; cadence's ratios."""
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    ns = parser.parse_args(["--dataset-name", "sharegpt-like", "--num-prompts", "64", "--ignore-eos",
+                            "--disable-tqdm", "--goodput", *SWEEP_SLOS, *workload])
+    measured = sweep.sweep(ns, servers, parse_rates(rates))
+    print(sweep.format_table(measured))
+    print(sweep_ratios(measured))
+    if plot:
+        sweep.plot(measured, plot)
+        print(f"wrote {plot}")
+    return measured
+
+
+def sweep_ratios(measured: dict[str, Any]) -> str:
+    """At each rate, cadence's goodput over each peer's, and each peer's TTFT and ITL p99 over
+    cadence's (>1: cadence better)."""
+    rows = [f"{'rate':>8}" + "".join(f"{'vs ' + name + ' ' + what:>24}" for name in measured if name != "cadence"
+                                     for what in ("goodput", "TTFT p99", "ITL p99"))]
+    for i, ours in enumerate(measured["cadence"]):
+        row = f"{ours['request_rate']:>8g}"
+        for name, curve in measured.items():
+            if name == "cadence":
+                continue
+            theirs = curve[i]
+            row += "".join(f"{_ratio(a, b):>24}" for a, b in ((ours["request_goodput"], theirs["request_goodput"]),
+                                                               (theirs["p99_ttft_ms"], ours["p99_ttft_ms"]),
+                                                               (theirs["p99_itl_ms"], ours["p99_itl_ms"])))
+        rows.append(row)
+    return "\n".join(rows)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:.2f}x" if numerator is not None and denominator else "-"
 
 
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
@@ -87,34 +145,39 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--goals", default="offline,serving", help=f"comma-separated, of {', '.join(GOALS)}")
     parser.add_argument("--peer", action="append", default=[], metavar="NAME=BASE_URL",
-                        help="another OpenAI-compatible server to run the serving workload against; repeatable")
+                        help="another OpenAI-compatible server to run the serving workloads against; repeatable")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="extra `cadence serve` flag for the server this script starts; repeatable")
     parser.add_argument("--workload-arg", action="append", default=[],
-                        help="extra flag for both `bench throughput` and `bench serve`, e.g. --workload-arg=--seed=1")
-    parser.add_argument("--skip-offline", action="store_true")
-    parser.add_argument("--skip-serve", action="store_true")
+                        help="extra flag for every workload's bench command, e.g. --workload-arg=--seed=1")
+    parser.add_argument("--sweep-rates", default="1,2,4,8", help="the sweep's requests/s, comma-separated")
+    parser.add_argument("--plot", default=None, help="write the sweep's curves to this PNG")
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args()
+    goals = [goal for goal in ns.goals.split(",") if goal]
     try:
         peers = parse_servers(ns.peer, "--peer")
+        if unknown := set(goals) - set(GOALS):
+            raise ValueError(f"unknown goals {sorted(unknown)}; known: {', '.join(GOALS)}")
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     report: dict[str, Any] = {}
-    if not ns.skip_offline:
+    if "offline" in goals:
         report["offline"] = offline(ns.workload_arg)
-    if not ns.skip_serve:
+    if set(goals) - {"offline"}:
         from cadence.api.testing import ServerProcess
 
         log = Path(tempfile.mkdtemp()) / "server.log"
-        serving_results = {}
         with ServerProcess(["--dtype", "bfloat16", "--quantization", "none", *ns.server_arg], log_path=log) as server:
-            serving_results["cadence"] = serving(server.url, ns.workload_arg)
-        for name, url in peers.items():
-            serving_results[name] = serving(url, ns.workload_arg)
-        print(comparison_table(serving_results))
-        report["serving"] = serving_results
+            servers = {"cadence": server.url, **peers}
+            for goal, measure in (("serving", serving), ("single", single_stream)):
+                if goal in goals:
+                    report[goal] = {name: measure(url, ns.workload_arg) for name, url in servers.items()}
+                    print(comparison_table(report[goal]))
+            if "sweep" in goals:
+                report["sweep"] = curves(servers, ns.sweep_rates, ns.workload_arg, ns.plot)
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(report, indent=2))
 
