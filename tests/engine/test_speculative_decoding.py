@@ -21,6 +21,7 @@ from support.tiny_models import noisy_copy
 
 from cadence import LLM, SamplingParams
 from cadence.config import ConfigError, ModelConfig
+from cadence.core.speculation import StepCostFit
 from cadence.executor.draft_model import load_draft_model
 from cadence.executor.ngram_proposer import NgramProposer
 from cadence.messages import SpecDecodeStats
@@ -66,9 +67,22 @@ def plain(model: str) -> LLM:
     return LLM(model=model, dtype="float32")
 
 
+class _UnknownStepCost(StepCostFit):
+    """The back-off before it knows a step's cost: every draft position is worth asking for."""
+
+    def token_share(self, tokens: int, extra_seconds: float = 0.0) -> float | None:
+        return None
+
+
 @pytest.fixture(scope="module")
 def spec(model: str, spec_config: dict[str, Any]) -> LLM:
-    return LLM(model=model, dtype="float32", speculative_config=spec_config)
+    llm = LLM(model=model, dtype="float32", speculative_config=spec_config)
+    # These tests are about exactness. The back-off prices drafts by wall-clock step times, so how
+    # many it asks for (and whether any is then rejected) would depend on the machine's speed.
+    speculation = llm.engine_core.scheduler.speculation
+    assert speculation is not None
+    speculation.cost = _UnknownStepCost()
+    return llm
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
