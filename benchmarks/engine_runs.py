@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,12 @@ def interleave(engines: Mapping[str, LLM], units: Sequence[Unit], repeats: int) 
                 results[label][name].append(Timed(time.perf_counter() - start, tokens))
             turn += 1
     return results
+
+
+def runs_json(runs: Mapping[str, Mapping[str, Sequence[Timed]]]) -> dict[str, Any]:
+    """:func:`interleave`'s timings as plain data, for ``--output-json``."""
+    return {label: {name: [asdict(t) for t in timed] for name, timed in by_workload.items()}
+            for label, by_workload in runs.items()}
 
 
 def tokens_per_s(runs: Sequence[Timed]) -> float:

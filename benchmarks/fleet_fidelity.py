@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from sim_fidelity import CHECKED, TOLERANCE, load_average, log
 
 from cadence.core.cost_model import CostModel
 from cadence.engine_args import EngineArgs
@@ -40,8 +41,6 @@ _ROWS = [
     ("median ITL (ms)", "median_itl_ms"),
     ("duration (s)", "duration"),
 ]
-_CHECKED = ("output_throughput", "median_ttft_ms")
-TOLERANCE = 0.15
 CADENCE = [sys.executable, "-m", "cadence"]
 
 
@@ -67,10 +66,10 @@ def main() -> int:
 
     cost_path = args.cost_model or str(work / "costs.json")
     if args.cost_model is None:
-        _log(f"calibrating one engine core ({_load()})")
+        log(f"calibrating one engine core ({load_average()})")
         subprocess.run([*CADENCE, "simulate", "calibrate", *engine_flags, "--output", cost_path], check=True)
     cost_model = CostModel.load(cost_path)
-    _log(f"cost model {cost_path}: {cost_model.describe()}")
+    log(f"cost model {cost_path}: {cost_model.describe()}")
     # The server's engine cores, as the simulator models each (serve's step budget and latency target).
     config = EngineArgs(dtype=args.dtype, num_threads=args.num_threads, usage_context="serving").create_config()
     limits = EngineLimits.from_engine_config(config)
@@ -84,11 +83,11 @@ def main() -> int:
     burst = _workload(args, args.num_requests, None)
     capacity = run_sim(burst, fleet).metrics().request_throughput
     rate = args.load * capacity
-    _log(f"simulated capacity of {fleet} engines: {capacity:.2f} req/s; offering {args.load:.0%}: {rate:.2f} req/s")
+    log(f"simulated capacity of {fleet} engines: {capacity:.2f} req/s; offering {args.load:.0%}: {rate:.2f} req/s")
     workload = _workload(args, args.num_requests, rate)
     trace = work / "trace.jsonl"
     save_trace(workload, trace)
-    _log(f"workload: {describe(workload)}")
+    log(f"workload: {describe(workload)}")
 
     real = _serve_and_replay(args, engine_flags, trace, work)
     simulated = run_sim(workload, fleet)
@@ -98,7 +97,7 @@ def main() -> int:
     print(f"{'metric':30} {'real':>10} {'simulated':>10} {'diff':>8}")
     for label, key in _ROWS:
         print(f"{label:30} {real[key]:10.2f} {sim[key]:10.2f} {_diff(sim[key], real[key]):>8}")
-    within = all(abs(sim[k] - real[k]) <= TOLERANCE * abs(real[k]) for k in _CHECKED)
+    within = all(abs(sim[k] - real[k]) <= TOLERANCE * abs(real[k]) for k in CHECKED)
     print(f"throughput and median TTFT within {TOLERANCE:.0%}: {'yes' if within else 'NO'}")
 
     predictions = {}
@@ -137,12 +136,12 @@ def _serve_and_replay(args: argparse.Namespace, engine_flags: list[str], trace: 
                               stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_ready(base_url, server)
-        _log(f"server ready; replaying the trace ({_load()})")
+        log(f"server ready; replaying the trace ({load_average()})")
         out = work / "real.json"
         subprocess.run([*CADENCE, "bench", "serve", "--base-url", base_url, "--dataset-name", "trace",
                         "--dataset-path", str(trace), "--ignore-eos", "--disable-tqdm", "--output-json", str(out),
                         "--metric-percentiles", "50,99", "--seed", str(args.seed)], check=True)
-        _log(f"replayed ({_load()})")
+        log(f"replayed ({load_average()})")
         return dict(json.loads(out.read_text()))
     finally:
         server.terminate()
@@ -165,14 +164,6 @@ def _wait_ready(base_url: str, server: subprocess.Popen[bytes], timeout_s: float
 
 def _diff(sim: float, real: float) -> str:
     return f"{100 * (sim - real) / real:+.1f}%" if real else "-"
-
-
-def _load() -> str:
-    return f"load average {os.getloadavg()[0]:.2f}"
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

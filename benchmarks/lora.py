@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine_runs import add_model_options, interleave, ratio, tokens_per_s
+from engine_runs import add_model_options, interleave, ratio, runs_json, tokens_per_s
 from safetensors.torch import save_file
 
 from cadence import LLM, LoRARequest, SamplingParams
@@ -100,9 +100,7 @@ def main() -> None:
             summary.setdefault(workload, {})[label] = {"tok_s": tok_s, "ratio": mid, "interval": [low, high]}
             print(f"{workload:8} {label:14} {tok_s:10.1f} {mid:8.2f} {f'{low:.2f}-{high:.2f}':>14}")
     if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps({"summary": summary, "runs": {
-            label: {w: [vars(t) for t in timed] for w, timed in by_workload.items()}
-            for label, by_workload in runs.items()}}, indent=2))
+        Path(ns.output_json).write_text(json.dumps({"summary": summary, "runs": runs_json(runs)}, indent=2))
 
 
 if __name__ == "__main__":

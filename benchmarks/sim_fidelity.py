@@ -39,7 +39,7 @@ _ROWS = [
     ("median E2E latency (ms)", "median_e2el_ms"),
     ("duration (s)", "duration"),
 ]
-_CHECKED = ("output_throughput", "median_ttft_ms")
+CHECKED = ("output_throughput", "median_ttft_ms")
 TOLERANCE = 0.15
 
 
@@ -70,14 +70,14 @@ def main() -> int:
         cost_model = CostModel.load(args.cost_model)
         replay(engine, synthetic_workload(4, input_len=64, output_len=8, seed=args.seed + 1))  # warm-up
     else:
-        _log(f"calibrating ({_load()})")
+        log(f"calibrating ({load_average()})")
         started = time.perf_counter()
         config = engine.config
         plan = default_plan(config.scheduler.max_num_seqs, config.model.max_model_len, args.seed,
                             vocab_size=engine.limits.vocab_size, prefix_caching=config.cache.enable_prefix_caching)
-        calibration_steps = time_steps(engine, plan, args.seed, progress=lambda m: _log(f"  {m}"))
+        calibration_steps = time_steps(engine, plan, args.seed, progress=lambda m: log(f"  {m}"))
         cost_model, quality = fit_timed_steps(engine, calibration_steps, time.perf_counter() - started)
-        _log(f"calibrated in {time.perf_counter() - started:.0f} s ({_load()}): {cost_model.describe()}\n"
+        log(f"calibrated in {time.perf_counter() - started:.0f} s ({load_average()}): {cost_model.describe()}\n"
              f"  fit over {quality.num_samples} steps: median relative error {100 * quality.median_rel_error:.1f}%,"
              f" total time ratio {quality.total_time_ratio:.3f}")
         if args.save_cost_model:
@@ -91,23 +91,23 @@ def main() -> int:
                                    seed=args.seed)
         capacity = simulate(burst, limits, policy, cost_model, args.seed, policy_options=options)
         args.request_rate = args.load * capacity.metrics().request_throughput
-        _log(f"simulated capacity {capacity.metrics().request_throughput:.2f} req/s; offering {args.load:.0%} "
+        log(f"simulated capacity {capacity.metrics().request_throughput:.2f} req/s; offering {args.load:.0%} "
              f"of it: {args.request_rate:.2f} req/s")
     workload = synthetic_workload(args.num_requests, request_rate=args.request_rate, burstiness=args.burstiness,
                                   input_len=args.input_len, output_len=args.output_len, seed=args.seed)
-    _log(f"workload: {describe(workload)}; real run starts ({_load()})")
+    log(f"workload: {describe(workload)}; real run starts ({load_average()})")
     started = time.perf_counter()
     with timing(engine) as timer:
         real = compute_metrics(replay(engine, workload, seed=args.seed), percentiles=(50, 99)).to_dict()
-    _log(f"real run: {time.perf_counter() - started:.0f} s ({_load()})")
+    log(f"real run: {time.perf_counter() - started:.0f} s ({load_average()})")
     # How well the calibrated model predicts the steps this run actually took (drift of the machine),
     # and a model fitted on this run's own steps: it separates the simulator's mechanics from calibration.
     shapes, cycles, _ = cycle_samples(timer.steps, skip_phases=())
     drift = fit_quality(cost_model, shapes, cycles)
-    _log(f"calibrated model on the real run's {drift.num_samples} steps: total time ratio "
+    log(f"calibrated model on the real run's {drift.num_samples} steps: total time ratio "
          f"{drift.total_time_ratio:.3f}, median relative error {100 * drift.median_rel_error:.1f}%")
     self_fit, self_quality = fit_cost_model(shapes, cycles)
-    _log(f"self-fit on the real run: total time ratio {self_quality.total_time_ratio:.3f}, median relative error "
+    log(f"self-fit on the real run: total time ratio {self_quality.total_time_ratio:.3f}, median relative error "
          f"{100 * self_quality.median_rel_error:.1f}%; real run had {len(timer.steps)} steps")
     if args.steps_json:
         with open(args.steps_json, "w") as f:
@@ -117,7 +117,7 @@ def main() -> int:
     for name, model in (("simulated", cost_model), ("self-fit", self_fit)):
         result = simulate(workload, limits, policy, model, args.seed, policy_options=options)
         sims[name] = result.metrics(percentiles=(50, 99)).to_dict()
-        _log(f"simulation ({name}): {result.num_steps} steps in {result.wall_time_s:.2f} s, "
+        log(f"simulation ({name}): {result.num_steps} steps in {result.wall_time_s:.2f} s, "
              f"{result.num_preemptions} preemptions")
 
     print(f"{'':28}{'real':>11}{'simulated':>11}{'diff':>8}{'self-fit':>11}{'diff':>8}")
@@ -128,7 +128,7 @@ def main() -> int:
             diffs[name][key] = (sim[key] - real[key]) / real[key] if real[key] else float("nan")
             cells.append(f"{sim[key]:11.2f}{100 * diffs[name][key]:7.1f}%")
         print(f"{title:28}{real[key]:11.2f}{''.join(cells)}")
-    ok = all(abs(diffs["simulated"][key]) <= TOLERANCE for key in _CHECKED)
+    ok = all(abs(diffs["simulated"][key]) <= TOLERANCE for key in CHECKED)
     print(f"calibrated simulator: throughput and median TTFT within {100 * TOLERANCE:.0f}%: {'yes' if ok else 'NO'}")
     if args.json:
         with open(args.json, "w") as f:
@@ -143,11 +143,12 @@ def _steps_json(steps: list[TimedStep]) -> list[dict[str, float]]:
              **{k: getattr(t.shape, k) for k in t.shape.__slots__}} for t in steps]
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
+    """A progress line, on stderr (the figures go to stdout)."""
     print(message, file=sys.stderr, flush=True)
 
 
-def _load() -> str:
+def load_average() -> str:
     """The machine's load average: other work on it slows the real engine, never the simulator."""
     try:
         with open("/proc/loadavg") as f:

@@ -29,7 +29,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from engine_runs import Unit, add_model_options, interleave, ratio, tokens_per_s
+from engine_runs import Unit, add_model_options, interleave, ratio, runs_json, tokens_per_s
 
 from cadence import LLM, SamplingParams
 from cadence.config import cache_dir
@@ -128,9 +128,7 @@ def main() -> None:
                          "drafted": drafted, "accepted": accepted}
         print(f"{name:8} {off:10.1f} {on:10.1f} {mid:7.2f} {f'{low:.2f}-{high:.2f}':>13} {drafted:8d} {accepted:9d}")
     if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps({"summary": summary, "runs": {
-            label: {w: [vars(t) for t in timed] for w, timed in by_workload.items()}
-            for label, by_workload in runs.items()}}, indent=2))
+        Path(ns.output_json).write_text(json.dumps({"summary": summary, "runs": runs_json(runs)}, indent=2))
 
 
 if __name__ == "__main__":
