@@ -52,6 +52,9 @@ _SERVING_FIGURES = (
     ("median_tpot_ms", "TPOT p50 ms", False),
     ("median_e2el_ms", "E2E p50 ms", False),
 )
+# The sweep's figures at each rate, likewise.
+_SWEEP_FIGURES = (("request_goodput", "goodput", True), ("p99_ttft_ms", "TTFT p99", False),
+                  ("p99_itl_ms", "ITL p99", False))
 
 
 def offline(workload: list[str]) -> dict[str, Any]:
@@ -102,25 +105,24 @@ def curves(servers: dict[str, str], rates: str, workload: list[str], plot: str |
 
 
 def sweep_ratios(measured: dict[str, Any]) -> str:
-    """At each rate, cadence's goodput over each peer's, and each peer's TTFT and ITL p99 over
-    cadence's (>1: cadence better)."""
-    rows = [f"{'rate':>8}" + "".join(f"{'vs ' + name + ' ' + what:>24}" for name in measured if name != "cadence"
-                                     for what in ("goodput", "TTFT p99", "ITL p99"))]
+    """At each rate, cadence's ratio to each peer on goodput, TTFT p99 and ITL p99 (>1: cadence better)."""
+    peers = [name for name in measured if name != "cadence"]
+    rows = [f"{'rate':>8}" + "".join(f"{'vs ' + name + ' ' + label:>24}" for name in peers
+                                     for _, label, _ in _SWEEP_FIGURES)]
     for i, ours in enumerate(measured["cadence"]):
-        row = f"{ours['request_rate']:>8g}"
-        for name, curve in measured.items():
-            if name == "cadence":
-                continue
-            theirs = curve[i]
-            row += "".join(f"{_ratio(a, b):>24}" for a, b in ((ours["request_goodput"], theirs["request_goodput"]),
-                                                               (theirs["p99_ttft_ms"], ours["p99_ttft_ms"]),
-                                                               (theirs["p99_itl_ms"], ours["p99_itl_ms"])))
-        rows.append(row)
+        cells = (_cadence_ratio(ours[key], measured[name][i][key], higher_better)
+                 for name in peers for key, _, higher_better in _SWEEP_FIGURES)
+        rows.append(f"{ours['request_rate']:>8g}" + "".join(f"{'-' if r is None else f'{r:.2f}x':>24}" for r in cells))
     return "\n".join(rows)
 
 
-def _ratio(numerator: float | None, denominator: float | None) -> str:
-    return f"{numerator / denominator:.2f}x" if numerator is not None and denominator else "-"
+def _cadence_ratio(ours: float | None, theirs: float | None, higher_better: bool) -> float | None:
+    """cadence's figure against a peer's, >1 where cadence is better; None without both."""
+    if ours is None or theirs is None:
+        return None
+    if higher_better:
+        return ours / theirs if theirs else None
+    return theirs / ours if ours else None
 
 
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
@@ -133,9 +135,7 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
         ours = results["cadence"][key]
         row = f"{label:<16}" + "".join(f"{results[name][key]:>14.1f}" for name in results)
         for name in peers:
-            theirs = results[name][key]
-            ratio = ours / theirs if higher_better else theirs / ours
-            row += f"{ratio:>13.2f}x"
+            row += f"{_cadence_ratio(ours, results[name][key], higher_better):>13.2f}x"
         rows.append(row)
     if all("prefix_cache_hit_rate" in figures for figures in results.values()):  # servers that export it
         rows.append(f"{'prefix hits %':<16}" + "".join(f"{100 * results[name]['prefix_cache_hit_rate']:>14.1f}"
