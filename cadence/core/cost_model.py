@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.optimize import nnls
 
 FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn", "prefills", "sampled",
             "draft_tokens", "draft_rounds", "draft_rows")
@@ -167,6 +168,13 @@ class CostModel:
                 + c[4] * shape.prefill_attn + c[5] * shape.prefills + c[6] * shape.sampled + c[7] * shape.draft_tokens
                 + self.draft_time(shape))
 
+    def decode_step_times(self, num_seqs: int, kv_tokens: np.ndarray) -> np.ndarray:
+        """:meth:`step_time` of decode-only steps of ``num_seqs`` requests (each samples, none drafts)
+        whose contexts sum to each of ``kv_tokens``, bit for bit: the terms :meth:`step_time` adds
+        that are not zero, in its order (adding 0.0 changes no sum of non-negative terms)."""
+        c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
+        return (c[0] + c[2] * num_seqs + c[3] * kv_tokens) + c[6] * num_seqs
+
     def draft_time(self, shape: StepShape) -> float:
         """The part of :meth:`step_time` a draft model's proposals take."""
         c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
@@ -235,16 +243,33 @@ def fit_cost_model(
 
     :raises ValueError: with fewer samples than features, or a non-positive time.
     """
-    names = [n for n in FEATURES if n in set(features)]
     if len(shapes) != len(times):
         raise ValueError(f"{len(shapes)} shapes but {len(times)} times")
-    if len(shapes) < len(names):
-        raise ValueError(f"need at least {len(names)} samples to fit {len(names)} features, got {len(shapes)}")
+    x = np.array([shape.features() for shape in shapes], dtype=np.float64).reshape(len(shapes), len(FEATURES))
     y = np.asarray(times, dtype=np.float64)
+    model, predicted = fit_features(x, y, features=features, relative=relative, metadata=metadata)
+    return model, _quality(predicted, y)
+
+
+def fit_features(
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    features: Iterable[str] = FEATURES,
+    relative: bool = True,
+    metadata: Mapping[str, Any] | None = None,
+) -> tuple[CostModel, np.ndarray]:
+    """:func:`fit_cost_model` of steps given as rows of feature values (:data:`FEATURES` order) and
+    their times; the model and what it predicts for each step.
+
+    :raises ValueError: with fewer samples than features, or a non-positive time.
+    """
+    names = [n for n in FEATURES if n in set(features)]
+    if len(y) < len(names):
+        raise ValueError(f"need at least {len(names)} samples to fit {len(names)} features, got {len(y)}")
     if not (y > 0).all():
         raise ValueError("step times must be > 0")
-    columns = [FEATURES.index(n) for n in names]
-    x = np.array([shape.features() for shape in shapes], dtype=np.float64)[:, columns]
+    x = x[:, [FEATURES.index(n) for n in names]]
     w = 1.0 / y if relative else np.ones_like(y)
     coef = _nonnegative_lstsq(x * w[:, None], y * w)
     keep = np.ones_like(y, dtype=bool)
@@ -256,40 +281,18 @@ def fit_cost_model(
         previous, coef = coef, _nonnegative_lstsq(x[keep] / predicted[keep, None], y[keep] / predicted[keep])
         # A fixed point (the same weights and outliers next time): the engine refits every few steps,
         # and the simulator's times, without noise, get there at once.
-        if np.allclose(coef, previous, rtol=1e-6, atol=0.0):
+        if (np.abs(coef - previous) <= 1e-6 * np.abs(previous)).all():  # np.allclose's test, without its overhead
             break
     model = CostModel({n: float(c) for n, c in zip(names, coef, strict=True)}, dict(metadata or {}))
-    return model, _quality(x @ coef, y)
+    return model, x @ coef
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Lawson and Hanson's active-set NNLS: ``argmin |a x - b|`` subject to ``x >= 0``."""
+    """``argmin |a x - b|`` subject to ``x >= 0`` (Lawson and Hanson's NNLS, SciPy's)."""
     # Columns are scaled to unit norm first: raw features span ~10 orders of magnitude.
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
-    a = a / scale
-    n = a.shape[1]
-    tol = 10 * np.finfo(float).eps * max(a.shape) * float(np.abs(a).sum(axis=0).max())
-    passive = np.zeros(n, dtype=bool)
-    x = np.zeros(n)
-    gradient = a.T @ (b - a @ x)
-    for _ in range(3 * n):
-        if passive.all() or gradient[~passive].max() <= tol:
-            break
-        passive[int(np.argmax(np.where(passive, -np.inf, gradient)))] = True
-        while True:
-            trial = np.zeros(n)
-            trial[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if trial[passive].min() > 0:
-                break
-            # Step from x towards the trial point until the first coefficient reaches 0; drop it.
-            blocking = passive & (trial <= 0)
-            alpha = float(np.min(x[blocking] / (x[blocking] - trial[blocking])))
-            x = x + alpha * (trial - x)
-            passive &= x > tol
-        x = trial
-        gradient = a.T @ (b - a @ x)
-    return x / scale
+    return nnls(a / scale, b)[0] / scale
 
 
 def fit_quality(model: CostModel, shapes: Sequence[StepShape], times: Sequence[float]) -> FitQuality:

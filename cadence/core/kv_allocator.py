@@ -222,10 +222,27 @@ class KVAllocator(PoolViews):
         state.blocks.extend(new_blocks)
         if self._window is not None and plan.hit_blocks:  # hit blocks may lie before the window already
             self._release_out_of_window(state, request.num_computed_tokens + plan.num_hit_tokens)
-        if self._caching:
-            num_full = min(plan.num_total_tokens, request.num_tokens) // self._block_size
-            if num_full > state.num_cached:
-                self._cache_full_blocks(request, state, num_full)
+        self._cache_up_to(request, state, plan.num_total_tokens)
+        return [b.block_id for b in new_blocks]
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request holds blocks here (it has been allocated for and not freed since)."""
+        return request_id in self._requests
+
+    def grow(self, request: KVRequest, num_total_tokens: int) -> list[int] | None:
+        """:meth:`allocate` without hits, up to ``num_total_tokens``, of a request that :meth:`holds`
+        blocks, in a group without a window (a running request's next tokens), without the planning:
+        the new block ids, or None, taking nothing, when the pool is too small."""
+        state = self._requests[request.request_id]
+        state.request = request
+        num_needed = -(-num_total_tokens // self._block_size) - len(state.blocks)
+        new_blocks = []
+        if num_needed > 0:
+            if num_needed > self._free.size:
+                return None
+            new_blocks = self._pool.take(num_needed)
+            state.blocks.extend(new_blocks)
+        self._cache_up_to(request, state, num_total_tokens)
         return [b.block_id for b in new_blocks]
 
     def free(self, request_id: str) -> None:
@@ -321,6 +338,13 @@ class KVAllocator(PoolViews):
         for i in range(len(hashes), n):
             parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], salt_keys(i, salt))
             hashes.append(parent)
+
+    def _cache_up_to(self, request: KVRequest, state: RequestBlocks, num_total_tokens: int) -> None:
+        """Offer the prefix cache every block full of known tokens among the first ``num_total_tokens``."""
+        if self._caching:
+            num_full = min(num_total_tokens, request.num_tokens) // self._block_size
+            if num_full > state.num_cached:
+                self._cache_full_blocks(request, state, num_full)
 
     def _cache_full_blocks(self, request: KVRequest, state: RequestBlocks, num_full: int) -> None:
         hashes = state.hashes

@@ -79,6 +79,10 @@ class KVCacheManager(PoolViews):
                  num_computed_hit_tokens: int = 0) -> list[list[int]] | None:
         """Hold slots in every group, all or nothing (see :meth:`KVAllocator.allocate`); each
         group's new block ids, or ``None`` when the pool is too small for all of them."""
+        group = self.groups[0]
+        if (len(self.groups) == 1 and group.sliding_window is None and not any(computed_block_ids)
+                and not num_computed_hit_tokens and group.holds(request.request_id)):
+            return self.grow(request, request.num_computed_tokens + num_new_tokens)  # the common case, unplanned
         hits = computed_block_ids or [()] * len(self.groups)
         if len(hits) != len(self.groups):
             raise ValueError(f"{len(hits)} lists of hit blocks for {len(self.groups)} KV cache groups")
@@ -89,6 +93,14 @@ class KVCacheManager(PoolViews):
         for group, plan in zip(self.groups, plans, strict=True):
             group.take_hits(plan)
         return [group.fill(plan) for group, plan in zip(self.groups, plans, strict=True)]
+
+    def grow(self, request: KVRequest, num_total_tokens: int) -> list[list[int]] | None:
+        """:meth:`KVAllocator.grow`: :meth:`allocate` without hits, up to ``num_total_tokens``, of a
+        request that holds blocks, in a manager of one group without a window."""
+        if len(self.groups) != 1 or self.groups[0].sliding_window is not None:
+            raise ValueError("grow() is for one KV cache group without a sliding window")
+        new_ids = self.groups[0].grow(request, num_total_tokens)
+        return None if new_ids is None else [new_ids]
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group (see :meth:`KVAllocator.free`)."""

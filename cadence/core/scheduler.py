@@ -5,15 +5,12 @@ There are no prefill or decode phases: each step gives each chosen request some 
 Running requests are served first (in the policy's running order), then waiting ones are admitted
 in the policy's order until one cannot be (head of line). Preemption is by recompute, and happens
 (a) when a running request needs blocks (the policy's ``pick_victim``) and (b) when the policy says
-a waiting request outranks a running one and seats or blocks ran out (``preempt_for``). A step that
-preempted for a running request admits only requests of the second kind. The scheduler owns the
-KV allocator and calls it synchronously (see docs/architecture.md, "Scheduling").
+a waiting request outranks a running one and seats or blocks ran out (``preempt_for``); a step
+that did (a) admits only requests of kind (b). It owns the KV allocator (docs/architecture.md).
 
-Structured output: a constrained request is admitted once its grammar has compiled (others are
-admitted past it meanwhile); each step carries the token bitmask of the constrained requests that
-sample, and each accepted token advances the request's matcher (see ``structured_output.py``).
-With ``--speculative-config``, a decode also verifies drafted tokens (``speculation.py``). With
-``--trace-scheduling``, every decision about each request goes to a ``SchedulingTrace``.
+A constrained request is admitted once its grammar has compiled (``structured_output.py``); with
+``--speculative-config`` a decode also verifies drafts (``speculation.py``); ``--trace-scheduling``
+sends every decision about each request to a ``SchedulingTrace``.
 """
 
 from __future__ import annotations
@@ -50,14 +47,11 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.policy = policy
-        # None where requests never carry constraints (the simulator).
-        self.structured_output = structured_output
+        self.structured_output = structured_output  # None where requests carry no constraints (the simulator)
         self.requests: dict[str, Request] = {}
-        # Arrival order; preempted requests go back to the front.
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # arrival order; preempted requests go back to the front
         self.running: list[Request] = []  # admission order
-        # Requests the worker holds state for (scheduled at least once since their last admission).
-        self._on_worker: set[str] = set()
+        self._on_worker: set[str] = set()  # scheduled at least once since their last admission
         self._finished_since_last_step: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
@@ -202,11 +196,10 @@ class Scheduler:
         """Admit in the policy's order until one request cannot be admitted (head of line).
 
         After a preemption for a running request, memory is short: only requests the policy would
-        preempt for (:meth:`SchedulingPolicy.preempt_for`) are admitted; with the built-in policies
-        other than ``priority`` that is nobody. A request preempted in this step is not readmitted
-        in it, and blocks those behind it like any request that cannot be admitted; the policy
-        re-orders the queue after each preemption made for a waiting request, so its victims take
-        their place in that order.
+        preempt for (:meth:`SchedulingPolicy.preempt_for`) are admitted (with the built-in policies
+        but ``priority``, nobody). A request preempted in this step is not readmitted in it and
+        blocks those behind it; after each preemption for a waiting request the policy re-orders the
+        queue, so its victims take their place in that order.
         """
         admitted: list[Request] = []
         # Read lazily, and afresh after a preemption (which changes the queue): a policy may hand
@@ -357,6 +350,14 @@ class Scheduler:
             draft_counts={} if self.speculation is None else self.speculation.draft_counts(step, self.requests))
         self._finished_since_last_step = []
         return output
+
+    def advance_decodes(self, num_steps: int, last_shape: StepShape) -> list[str]:
+        """Count ``num_steps`` decode-only steps run in bulk (``sim/decode_run.py``); the ids finished
+        since the last step, which the first of them would have told the worker."""
+        self._step_id += num_steps
+        self._last_shape, self._last_num_tokens = last_shape, len(self.running)
+        finished, self._finished_since_last_step = self._finished_since_last_step, []
+        return finished
 
     # ---- results -----------------------------------------------------------------------------
 

@@ -18,12 +18,11 @@ look free. Until the first refit the built-in (or given) model stands in.
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from cadence.core.cost_model import FEATURES, CostModel, StepShape, fit_cost_model
+from cadence.core.cost_model import FEATURES, CostModel, StepShape, fit_features
 
 
 class StepBudget:
@@ -36,7 +35,10 @@ class StepBudget:
         self.target_s = target_s
         self.model = model or CostModel.default()
         self.refit_every = refit_every
-        self._samples: deque[tuple[StepShape, float]] = deque(maxlen=window)
+        # The last ``window`` steps that ran, as rows of feature values and times (a ring).
+        self._features = np.zeros((window, len(FEATURES)))
+        self._times = np.zeros(window)
+        self._num_samples = 0
         self._since_fit = 0
 
     # ---- learning step times ------------------------------------------------------------------
@@ -45,11 +47,37 @@ class StepBudget:
         """One step that ran: its shape and its duration."""
         if seconds <= 0 or not shape.num_seqs:
             return
-        self._samples.append((shape, seconds))
-        self._since_fit += 1
+        row = self._num_samples % len(self._times)
+        self._features[row] = shape.features()
+        self._times[row] = seconds
+        self._count(1)
+
+    def observe_decodes(self, num_seqs: int, kv_tokens: np.ndarray, seconds: np.ndarray) -> None:
+        """:meth:`observe` of decode-only steps in turn (``num_seqs`` requests that each sample a token,
+        their contexts summing to each of ``kv_tokens``), in bulk (the simulator's fast-forward)."""
+        if num_seqs <= 0:
+            return
+        rows = np.zeros((len(seconds), len(FEATURES)))
+        rows[:, [_CONST, _DECODES, _SAMPLED]] = 1.0, num_seqs, num_seqs
+        rows[:, _KV_TOKENS] = kv_tokens
+        keep = seconds > 0
+        rows, seconds = rows[keep], seconds[keep]
+        done, window = 0, len(self._times)
+        while done < len(seconds):  # up to each refit, as one step at a time would
+            take = min(len(seconds) - done, self.refit_every - self._since_fit, window)
+            at = (self._num_samples + np.arange(take)) % window
+            self._features[at] = rows[done:done + take]
+            self._times[at] = seconds[done:done + take]
+            done += take
+            self._count(take)
+
+    def _count(self, num: int) -> None:
+        self._num_samples += num
+        self._since_fit += num
         if self._since_fit >= self.refit_every:
             self._since_fit = 0
-            self.model = refit(self.model, self._samples)
+            held = min(self._num_samples, len(self._times))
+            self.model = refit(self.model, self._features[:held], self._times[:held])
 
     # ---- sizing a step ------------------------------------------------------------------------
 
@@ -98,18 +126,19 @@ class StepBudget:
 ONLINE_FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "draft_tokens")
 
 
-def refit(model: CostModel, samples: Collection[tuple[StepShape, float]]) -> CostModel:
-    """A model of :data:`ONLINE_FEATURES` fitted to ``samples``; a feature they never vary keeps
-    ``model``'s coefficient."""
-    if not samples:
+def refit(model: CostModel, features: np.ndarray, times: np.ndarray) -> CostModel:
+    """A model of :data:`ONLINE_FEATURES` fitted to steps (rows of :data:`FEATURES` values and their
+    times); a feature they never vary keeps ``model``'s coefficient."""
+    if not len(times):
         return model
-    shapes, times = zip(*samples, strict=True)
-    x = np.array([shape.features() for shape in shapes])
-    varied = [name for name, low, high in zip(FEATURES, x.min(axis=0), x.max(axis=0), strict=True)
+    varied = [name for name, low, high in zip(FEATURES, features.min(axis=0), features.max(axis=0), strict=True)
               if name == "const" or (name in ONLINE_FEATURES and high > low)]
     try:
-        fitted, _ = fit_cost_model(shapes, times, features=varied)
+        fitted, _ = fit_features(features, times, features=varied)
     except ValueError:  # too few samples for the features
         return model
     kept = {name: model.coefficients.get(name, 0.0) for name in ONLINE_FEATURES}
     return CostModel({**kept, **fitted.coefficients}, {**model.metadata, "source": "refitted while running"})
+
+
+_CONST, _DECODES, _KV_TOKENS, _SAMPLED = (FEATURES.index(n) for n in ("const", "decode_seqs", "kv_tokens", "sampled"))

@@ -73,6 +73,11 @@ class SchedulingPolicy(abc.ABC):
     #: Whether prompts are split into chunks when the ``chunked`` option is not given; None: as the
     #: engine's ``enable_chunked_prefill`` says.
     chunked_by_default: ClassVar[bool | None] = None
+    #: Whether the simulator may run this policy's decode-only steps in bulk (docs/research.md, "Fast-forward"):
+    #: True says that while nothing waits and every running request decodes, ``order_running`` keeps
+    #: one order, ``num_tokens`` gives each decode its token and ``on_scheduled`` of a decode changes
+    #: nothing, so those steps need no hook called. Off unless a policy says so.
+    bulk_decodes: ClassVar[bool] = False
 
     def __init__(self, context: PolicyContext, options: Mapping[str, str] | None = None) -> None:
         self.context = context

@@ -13,6 +13,7 @@ class FCFSPolicy(SchedulingPolicy):
     remaining budget waits, and so does everything behind it (head of line)."""
 
     name = "fcfs"
+    bulk_decodes = True
 
     def order_waiting(self, waiting: Sequence[RequestView]) -> list[RequestView]:
         # The scheduler keeps the queue in arrival order with preempted requests at the front,

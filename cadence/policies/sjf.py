@@ -25,6 +25,7 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
     """
 
     name = "sjf"
+    bulk_decodes = True
 
     def __init__(self, context: PolicyContext, options: Mapping[str, str] | None = None) -> None:
         super().__init__(context, options)

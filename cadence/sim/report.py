@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from cadence.bench.metrics import inter_token_gaps
 from cadence.bench.plotting import pyplot
 from cadence.sim.simulator import SimResult
 
@@ -117,10 +118,10 @@ def plot(results: Sequence[SimResult], folder: str | Path) -> list[Path]:
     return [cdf, queue]
 
 
-def _latencies(result: SimResult, name: str) -> list[float]:
+def _latencies(result: SimResult, name: str) -> Sequence[float] | np.ndarray:
     done = [r for r in result.records if r.completed]
     if name == "itl":
-        return [gap for r in done for gap in r.itls]
+        return inter_token_gaps(done)
     if name == "tpot":
         return [t for r in done if (t := r.tpot) is not None]
     return [getattr(r, name) for r in done]

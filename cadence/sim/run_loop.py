@@ -6,15 +6,18 @@ applied at its end, and requests that arrive meanwhile join the scheduler mid-st
 the real engine. With several engines, each arrival goes where the real data-parallel router
 (``engine/routers/``) sends it, given each engine's unfinished requests as its load; a router that
 follows the prefix caches is told each engine's KV events at the end of each of its steps, as the
-engine core folds them into its output batch.
+engine core folds them into its output batch. An engine whose next steps only decode may take them
+as one :class:`~cadence.sim.decode_run.DecodeRun` (the fast-forward), which an arrival routed to it
+cuts short.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import sys
+from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,53 +30,48 @@ from cadence.policies.clock import VirtualClock
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams
 from cadence.sim.dashboard_report import SimDashboard
+from cadence.sim.decode_run import DecodeRun, commit, plan_decode_run
 from cadence.sim.runner import SimulatedRunner
+from cadence.sim.step_log import StepLog, StepRecord
 from cadence.sim.workload import FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, RequestSpec
 
 StepHook = Callable[[Scheduler, SchedulerOutput], None]
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One simulated step: when it ran, what it computed, and the engine's state after scheduling."""
-
-    start: float
-    duration: float
-    num_seqs: int
-    num_tokens: int
-    prefill_tokens: int
-    decode_seqs: int
-    kv_tokens: int
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_preemptions: int  # cumulative
-    engine: int = 0
-
-
 class SimEngine:
-    """One simulated engine core, stepped by :class:`RunLoop`."""
+    """One simulated engine core, stepped by :class:`RunLoop`; with ``fast_forward``, runs of
+    decode-only steps go in one call (not with a step hook or a dashboard, which see every step)."""
 
-    def __init__(self, rank: int, scheduler: Scheduler, runner: SimulatedRunner, on_step: StepHook | None) -> None:
+    def __init__(self, rank: int, scheduler: Scheduler, runner: SimulatedRunner, on_step: StepHook | None,
+                 fast_forward: bool = False) -> None:
         self.rank = rank
         self.scheduler = scheduler
         self.runner = runner
         self.on_step = on_step
-        self.steps: list[StepRecord] = []
-        self.busy_until: float | None = None  # the running step's end
+        self.fast_forward = fast_forward and on_step is None
+        self.steps = StepLog()
+        self.busy_until: float | None = None  # the running step's (or run's) end
+        self.generation = 0  # moves when a run is cut: the loop's entry for its old end is stale
         self._result: ModelRunnerOutput | None = None
+        self._duration = 0.0  # the running step's
+        self._run: DecodeRun | None = None
         self.dashboard: SimDashboard | None = None
 
     @property
     def load(self) -> int:
         return self.scheduler.num_unfinished
 
-    def start(self, now: float) -> float:
-        """Schedule and run a step from ``now``; its end.
+    def start(self, now: float, max_steps: int) -> float:
+        """Schedule and run a step (or a run of at most ``max_steps`` decode-only steps) from ``now``; its end.
 
         :raises RuntimeError: if nothing can be scheduled on an idle engine.
         """
         scheduler = self.scheduler
+        if self.fast_forward and self.dashboard is None:
+            self._run = plan_decode_run(scheduler, self.runner.cost_model, now, max_steps)
+            if self._run is not None:
+                self.busy_until = float(self._run.starts[-1])
+                return self.busy_until
         out = scheduler.schedule()
         if not out.num_scheduled_tokens and not scheduler.running:
             raise RuntimeError(f"no waiting request can be scheduled on an idle engine: {scheduler.waiting[0]}")
@@ -82,6 +80,7 @@ class SimEngine:
         if self.dashboard is not None:
             self.dashboard.step_started(scheduler, out, now)
         self._result, shape, duration = self.runner.execute(out)
+        self._duration = duration
         self.steps.append(StepRecord(now, duration, shape.num_seqs, shape.num_tokens, shape.prefill_tokens,
                                      shape.decode_seqs, shape.kv_tokens, len(scheduler.running),
                                      len(scheduler.waiting), scheduler.allocator.usage, scheduler.num_preemptions,
@@ -89,13 +88,18 @@ class SimEngine:
         self.busy_until = now + duration
         return self.busy_until
 
-    def finish(self, chunk_times: dict[str, list[float]], num_tokens: dict[str, int],
+    def finish(self, chunk_times: dict[str, array[float]], num_tokens: dict[str, int],
                finish_reasons: dict[str, str]) -> None:
         """Apply the running step's outputs at its end (a chunk may carry several tokens: speculation)."""
-        assert self._result is not None and self.busy_until is not None
+        if self._run is not None:
+            self._commit(self._run.num_steps, chunk_times, num_tokens)
+        if self._result is None:  # a run, committed now or when it was cut
+            self.busy_until = None
+            return
+        assert self.busy_until is not None
         now, result = self.busy_until, self._result
         self.busy_until = self._result = None
-        self.scheduler.observe_step_time(self.steps[-1].duration, result.draft_time_s)
+        self.scheduler.observe_step_time(self._duration, result.draft_time_s)
         outputs = self.scheduler.update_from_output(result)
         for output in outputs:
             if output.new_token_ids:
@@ -105,6 +109,35 @@ class SimEngine:
                 finish_reasons[output.request_id] = output.finish_reason
         if self.dashboard is not None:
             self.dashboard.step_finished(self.rank, self.scheduler, outputs, now)
+
+    def cut(self, time: float, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> float | None:
+        """Before a request that arrives at ``time`` joins: end the run, if one is going, after the steps
+        begun by then (their outputs applied); the end of the last of those, or None without a run."""
+        run = self._run
+        if run is None:
+            return None
+        num_steps = run.steps_begun_before(time)
+        self._commit(num_steps, chunk_times, num_tokens)
+        self.busy_until = float(run.starts[num_steps])
+        self.generation += 1
+        return self.busy_until
+
+    def _commit(self, num_steps: int, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> None:
+        run, self._run = self._run, None
+        assert run is not None
+        commit(run, num_steps, self.scheduler, self.runner.tracker)
+        ends = run.starts[1:num_steps + 1].tobytes()
+        for request in run.requests:
+            chunk_times[request.request_id].frombytes(ends)
+            num_tokens[request.request_id] += num_steps
+        n, preemptions = len(run.requests), self.scheduler.num_preemptions
+        usage = 1.0 - run.free_blocks[:num_steps] / (self.scheduler.allocator.num_blocks - 1)
+        same = np.ones(num_steps, dtype=np.int64)
+        self.steps.extend_columns({
+            "start": run.starts[:num_steps], "duration": run.durations[:num_steps], "num_seqs": n * same,
+            "num_tokens": n * same, "prefill_tokens": 0 * same, "decode_seqs": n * same,
+            "kv_tokens": run.kv_tokens[:num_steps], "num_running": n * same, "num_waiting": 0 * same,
+            "kv_usage": usage, "num_preemptions": preemptions * same, "engine": self.rank * same})
 
 
 class RunLoop:
@@ -124,32 +157,35 @@ class RunLoop:
         self.clock = clock
         self.rng = np.random.default_rng(seed)
         self.max_steps = max_steps
-        self.chunk_times: dict[str, list[float]] = {rid: [] for rid in self.ids}
+        # Doubles, not lists of floats: a million requests' tokens are a hundred million times.
+        self.chunk_times: dict[str, array[float]] = {rid: array("d") for rid in self.ids}
         self.num_tokens: dict[str, int] = dict.fromkeys(self.ids, 0)
         self.finish_reasons: dict[str, str] = {}
         self._params: dict[int, SamplingParams] = {}
         self.dashboard = dashboard
         for engine in self.engines:
             engine.dashboard = dashboard
+        self._loads = [0] * len(self.engines)  # each engine's unfinished requests, kept as they change
 
     @property
-    def steps(self) -> list[StepRecord]:
-        """Every engine's steps, by start."""
-        if len(self.engines) == 1:
-            return self.engines[0].steps
-        return sorted((s for e in self.engines for s in e.steps), key=lambda s: (s.start, s.engine))
+    def steps(self) -> list[StepLog]:
+        """Each engine's steps."""
+        return [engine.steps for engine in self.engines]
 
     def run(self) -> None:
         specs, engines, clock = self.specs, self.engines, self.clock
-        ends: list[tuple[float, int]] = []  # (step end, rank) of the busy engines
-        next_arrival, num_steps = 0, 0
+        ends: list[tuple[float, int, int]] = []  # (step end, rank, generation) of the busy engines
+        next_arrival = 0
         while next_arrival < len(specs) or ends:
             arrival = specs[next_arrival].arrival_time if next_arrival < len(specs) else math.inf
             if ends and ends[0][0] < arrival:  # a step ends first; arrivals at its end join before the next
-                now, rank = heapq.heappop(ends)
-                clock.time = now
+                now, rank, generation = heapq.heappop(ends)
                 engine = engines[rank]
+                if generation != engine.generation:
+                    continue  # the end of a run that was cut
+                clock.time = now
                 engine.finish(self.chunk_times, self.num_tokens, self.finish_reasons)
+                self._loads[rank] = engine.load
                 self._tell_router(engine)
                 started = [engine] if engine.load else []
             else:
@@ -160,24 +196,33 @@ class RunLoop:
                     if self.dashboard is not None:
                         self.dashboard.arrived(request.request_id, now)
                     engine = self._route(request)
+                    cut_end = engine.cut(now, self.chunk_times, self.num_tokens)
+                    if cut_end is not None:
+                        heapq.heappush(ends, (cut_end, engine.rank, engine.generation))
                     engine.scheduler.add_request(request)
+                    self._loads[engine.rank] = engine.load
                     if engine.busy_until is None and engine not in started:
                         started.append(engine)
                     next_arrival += 1
             for engine in started:
-                heapq.heappush(ends, (engine.start(now), engine.rank))
-                num_steps += 1
-            if self.max_steps is not None and num_steps > self.max_steps:
+                heapq.heappush(ends, (engine.start(now, self._steps_left()), engine.rank, engine.generation))
+            if self._steps_left() < 0:
                 raise RuntimeError(f"the simulation ran past {self.max_steps} steps without finishing")
             if self.dashboard is not None:
                 self.dashboard.tick(now)
         if self.dashboard is not None:
             self.dashboard.finish(clock.time)
 
+    def _steps_left(self) -> int:
+        """Steps the run may still take before ``max_steps`` (all it wants without one)."""
+        if self.max_steps is None:
+            return sys.maxsize
+        return self.max_steps - sum(len(engine.steps) for engine in self.engines)
+
     def _route(self, request: Request) -> SimEngine:
         if self.router is None:
             return self.engines[0]
-        return self.engines[self.router.choose([e.load for e in self.engines], request.prompt_token_ids)]
+        return self.engines[self.router.choose(self._loads, request.prompt_token_ids)]
 
     def _tell_router(self, engine: SimEngine) -> None:
         if self.router is not None and self.router.observes_prefix_caches:

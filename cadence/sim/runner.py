@@ -18,6 +18,7 @@ chooses to study.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cadence.core.cost_model import CostModel, StepShape, step_shape
@@ -91,6 +92,17 @@ class ShapeTracker:
             asked = [out.draft_counts.get(request_id, 0) for request_id in sampled]
             shape.draft_rounds, shape.draft_rows = max(asked, default=0), sum(asked)
         return shape, sampled
+
+    def advance_decodes(self, request_ids: Iterable[str], num_steps: int, finished: Iterable[str]) -> None:
+        """Apply ``num_steps`` decode-only steps of these requests at once (``decode_run.py``), once the
+        ``finished`` ones that the first of them carries are dropped."""
+        counts = self._counts
+        for request_id in finished:
+            counts.pop(request_id, None)
+        for request_id in request_ids:
+            state = counts[request_id]
+            state[0] += num_steps
+            state[1] += num_steps
 
     def settle(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Take back the positions of the drafts ``result`` rejected (speculative decoding)."""

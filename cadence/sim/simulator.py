@@ -9,6 +9,7 @@ thread and no randomness beyond the seed, so a run is deterministic and fast.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -30,10 +31,11 @@ from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
 from cadence.messages import SpecDecodeStats
 from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.clock import Clock, VirtualClock
-from cadence.policies.loader import load_policy
+from cadence.policies.loader import policy_class
 from cadence.sim.dashboard_report import SimDashboard
-from cadence.sim.run_loop import RunLoop, SimEngine, StepHook, StepRecord
+from cadence.sim.run_loop import RunLoop, SimEngine, StepHook
 from cadence.sim.runner import ACCEPTANCE_ARG, SimulatedDrafts, SimulatedRunner
+from cadence.sim.step_log import StepLog, StepRecord
 from cadence.sim.workload import RequestSpec
 
 if TYPE_CHECKING:
@@ -114,11 +116,11 @@ class EngineLimits:
 
 @dataclass
 class SimResult:
-    """What a simulation produced: per-request records (arrival order) and per-step records."""
+    """What a simulation produced: per-request records (arrival order) and each engine's steps."""
 
     policy: str
     records: list[RequestRecord]
-    steps: list[StepRecord]
+    engine_steps: list[StepLog]  # by rank
     num_preemptions: int
     wall_time_s: float
     cost_model: CostModel
@@ -126,25 +128,36 @@ class SimResult:
     finish_reasons: dict[str, str] = field(default_factory=dict)
     spec_decode: SpecDecodeStats | None = None  # with speculation: every engine's counts summed
 
+    @functools.cached_property
+    def steps(self) -> StepLog:
+        """Every engine's steps, by start (then engine)."""
+        return StepLog.merged(self.engine_steps)
+
     @property
     def num_steps(self) -> int:
-        return len(self.steps)
+        return sum(len(log) for log in self.engine_steps)
 
     @property
     def end_time(self) -> float:
-        return self.steps[-1].start + self.steps[-1].duration if self.steps else 0.0
+        """When the last step to start ended."""
+        last = max(((log[-1].start, log[-1].engine, log[-1].duration) for log in self.engine_steps if log),
+                   default=None)
+        return 0.0 if last is None else last[0] + last[2]
 
     def metrics(self, goodput_slos_ms: Mapping[str, float] | None = None,
                 percentiles: Sequence[float] = (99.0,)) -> BenchmarkMetrics:
         return compute_metrics(self.records, goodput_slos_ms=goodput_slos_ms, percentiles=percentiles)
 
+    def _all(self, name: str) -> np.ndarray:
+        """One field of every engine's steps, in no particular order (for sums and extremes)."""
+        return np.concatenate([log.column(name) for log in self.engine_steps])
+
     def tenant_shares(self) -> list[TenantShare]:
         return tenant_shares(self.records)
 
     def step_arrays(self) -> dict[str, np.ndarray]:
-        """Step records as columns (``start``, ``num_waiting``, ``kv_usage`` ...), for plots."""
-        names = StepRecord.__slots__
-        return {name: np.array([getattr(s, name) for s in self.steps]) for name in names}
+        """Step records as columns (``start``, ``num_waiting``, ``kv_usage`` ...), by start, for plots."""
+        return {name: np.array(self.steps.column(name)) for name in StepRecord.__slots__}
 
     def summary(self, goodput_slos_ms: Mapping[str, float] | None = None,
                 percentiles: Sequence[float] = (50.0, 99.0)) -> dict[str, Any]:
@@ -154,8 +167,8 @@ class SimResult:
             **self.metrics(goodput_slos_ms, percentiles).to_dict(),
             "num_preemptions": self.num_preemptions,
             "num_steps": self.num_steps,
-            "mean_kv_usage": float(np.mean([s.kv_usage for s in self.steps])) if self.steps else 0.0,
-            "max_num_waiting": max((s.num_waiting for s in self.steps), default=0),
+            "mean_kv_usage": float(np.mean(self._all("kv_usage"))) if self.num_steps else 0.0,
+            "max_num_waiting": int(self._all("num_waiting").max(initial=0)),
             "tenants": [vars(t) for t in self.tenant_shares()],
             "simulated_time_s": self.end_time,
             "wall_time_s": self.wall_time_s,
@@ -180,6 +193,7 @@ def simulate(
     speculative: SpeculativeConfig | None = None,
     draft_acceptance: float = 0.7,
     dashboard: SimDashboard | None = None,
+    fast_forward: bool = True,
 ) -> SimResult:
     """Run ``workload`` through the real scheduler under ``policy`` on a virtual clock.
 
@@ -206,6 +220,12 @@ def simulate(
 
     ``dashboard`` is fed the run as the live dashboard's feed is fed a server's (its snapshots make
     ``simulate --dashboard``'s report).
+
+    ``fast_forward`` lets an engine take a run of decode-only steps in one call where the result is
+    the same as step by step (``sim/decode_run.py``): with a policy that allows it, and not behind a
+    router that follows the prefix caches (it must hear every step's KV events before each arrival),
+    nor with a step hook, a scheduling trace, a dashboard or speculation. Off, every step is taken
+    one by one.
 
     :raises ValueError: for a request the engine would reject, an unknown policy or router, a
         policy object with several engines, or speculation with a cost model that prices no drafts.
@@ -236,9 +256,11 @@ def simulate(
     clock = VirtualClock()
     fleet = router_of(router, engines, limits, seed)
     sim_engines = []
+    policy_type = policy_class(policy) if isinstance(policy, str) else None  # found once: a lookup scans every package
     for rank, model in enumerate(models):
         if isinstance(policy, str):
-            name, engine_policy = policy, load_policy(policy, limits.policy_context(clock), policy_options)
+            assert policy_type is not None
+            name, engine_policy = policy, policy_type(limits.policy_context(clock), policy_options)
         else:
             name, engine_policy = policy.name, policy
             policy.context = replace(policy.context, clock=clock)  # the run's time, whatever it was built with
@@ -249,7 +271,8 @@ def simulate(
         scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, engine_policy,
                               cost_model=model, trace=trace,
                               speculation=None if speculative is None else SpecDecoding(speculative))
-        sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model, drafts, seed + rank), on_step))
+        bulk = fast_forward and not (fleet is not None and fleet.observes_prefix_caches)
+        sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model, drafts, seed + rank), on_step, bulk))
     run = RunLoop(workload, limits.max_model_len, sim_engines, fleet, clock, seed, max_steps, dashboard)
     started = time.perf_counter()
     try:
@@ -261,7 +284,7 @@ def simulate(
     return SimResult(
         policy=label or name,
         records=run.records(),
-        steps=run.steps,
+        engine_steps=run.steps,
         num_preemptions=sum(e.scheduler.num_preemptions for e in sim_engines),
         wall_time_s=time.perf_counter() - started,
         cost_model=models[0],

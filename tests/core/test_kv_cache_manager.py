@@ -3,6 +3,8 @@ property in property_tests/test_sliding_window_allocator.py explores the rest)."
 
 from __future__ import annotations
 
+import pytest
+
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.kv_events import BlockRemoved, BlockStored
 from cadence.core.testing import FakeRequest
@@ -94,3 +96,20 @@ def test_kv_events_speak_for_the_first_group_only() -> None:
     admit(manager, FakeRequest("b", [9, 9, 9, 9, 9, 9, 9, 9]))  # evicts every block of both groups
     removed = [e for e in manager.take_events() if isinstance(e, BlockRemoved)]
     assert len(removed) == 1 and len(removed[0].block_hashes) == 2
+
+
+def test_grow_takes_and_caches_a_running_requests_blocks_all_or_nothing() -> None:
+    manager = KVCacheManager(num_blocks=5, block_size=BS)
+    a = FakeRequest("a", list(range(6)))
+    assert admit(manager, a) == [[1, 2]] and manager.num_free_blocks == 2
+    a.all_token_ids += [6, 7, 8, 9, 10]
+    # Slots up to 8 fill block 2 (cached now); up to 9 take one block; up to 17 would need two more.
+    assert manager.grow(a, 8) == [[]] and manager.grow(a, 9) == [[3]]
+    assert manager.grow(a, 17) is None and manager.block_ids("a") == [[1, 2, 3]] and manager.num_free_blocks == 1
+    b = FakeRequest("b", [*range(8), 99])
+    assert manager.get_computed_blocks(b)[1] == 8  # both of a's full blocks are in the prefix cache
+    manager.check_integrity()
+    two_groups = KVCacheManager(num_blocks=9, block_size=BS, windows=GLOBAL_AND_SLIDING)
+    admit(two_groups, c := FakeRequest("c", list(range(6))))
+    with pytest.raises(ValueError, match="one KV cache group"):
+        two_groups.grow(c, 8)

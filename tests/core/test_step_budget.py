@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from cadence.config import SchedulerConfig
-from cadence.core.cost_model import CostModel, StepShape
+from cadence.core.cost_model import FEATURES, CostModel, StepShape
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.step_budget import ONLINE_FEATURES, StepBudget, refit
@@ -53,20 +54,39 @@ def _shape(prefill: int, decodes: int, context: int) -> StepShape:
                      sampled=decodes)
 
 
+def _timed(model: CostModel, shapes: list[StepShape]) -> tuple[np.ndarray, np.ndarray]:
+    """Steps as :func:`refit` takes them: rows of feature values, and ``model``'s times."""
+    return np.array([s.features() for s in shapes]), np.array([model.step_time(s) for s in shapes])
+
+
 def test_refit_learns_the_running_costs_and_keeps_what_it_never_saw() -> None:
     truth = {"const": 0.02, "prefill_tokens": 7e-4, "decode_seqs": 1e-3, "kv_tokens": 3e-6}
     true_model = CostModel(truth)
-    samples = [(s, true_model.step_time(s)) for s in
-               (_shape(p, d, c) for p in (0, 32, 128) for d in (1, 8, 32) for c in (64, 200))]
-    fitted = refit(CostModel.default(), samples)
+    fitted = refit(CostModel.default(), *_timed(true_model, [_shape(p, d, c) for p in (0, 32, 128)
+                                                              for d in (1, 8, 32) for c in (64, 200)]))
     assert set(fitted.coefficients) == set(ONLINE_FEATURES)
     for name, value in truth.items():
         assert fitted.coefficients[name] == pytest.approx(value, rel=1e-6)
     # Decodes only: the prefill cost is not learned as zero but kept.
-    decodes = [(s, true_model.step_time(s)) for s in (_shape(0, d, 100) for d in (1, 2, 4, 8, 16))]
-    kept = refit(CostModel({**truth, "prefill_tokens": 5e-4}), decodes)
+    decodes = _timed(true_model, [_shape(0, d, 100) for d in (1, 2, 4, 8, 16)])
+    kept = refit(CostModel({**truth, "prefill_tokens": 5e-4}), *decodes)
     assert kept.coefficients["prefill_tokens"] == 5e-4
-    assert refit(LINEAR, []) is LINEAR
+    assert refit(LINEAR, np.zeros((0, len(FEATURES))), np.zeros(0)) is LINEAR
+
+
+def test_observing_decodes_in_bulk_is_observing_them_in_turn() -> None:
+    truth = CostModel({"const": 0.004, "decode_seqs": 7e-4, "kv_tokens": 3e-7, "prefill_tokens": 1e-4})
+    one_by_one, bulk = (StepBudget(0.05, CostModel.default(), window=16, refit_every=8) for _ in range(2))
+    for budget in (one_by_one, bulk):  # a prefill first: the windows mix both kinds
+        budget.observe(_shape(40, 2, 10), truth.step_time(_shape(40, 2, 10)))
+    kv_tokens = 3 * 50 + 3 * np.arange(29)
+    seconds = truth.decode_step_times(3, kv_tokens)
+    for kv, duration in zip(kv_tokens.tolist(), seconds.tolist(), strict=True):
+        one_by_one.observe(StepShape(num_seqs=3, decode_seqs=3, kv_tokens=kv, sampled=3), duration)
+    bulk.observe_decodes(3, kv_tokens[:5], seconds[:5])
+    bulk.observe_decodes(3, kv_tokens[5:], seconds[5:])
+    assert bulk.model == one_by_one.model and bulk.model.metadata["source"] == "refitted while running"
+    assert bulk.prefill_time([60, 61]) == one_by_one.prefill_time([60, 61])
 
 
 def test_observing_steps_refits_every_so_many() -> None:
@@ -155,9 +175,9 @@ def test_drafts_verified_with_a_decode_take_their_time_from_the_prefills() -> No
     assert (plan.budget, plan.scheduled, plan.new_blocks) == (64 - 5, {"d": 5}, {"d": [[5]]})
     assert plan.shape({"d": decode}) == StepShape(num_seqs=1, decode_seqs=1, kv_tokens=9, sampled=1, draft_tokens=4)
     truth = CostModel({"const": 0.01, "decode_seqs": 0.002, "draft_tokens": 0.0015})
-    samples = [(s, truth.step_time(s)) for s in (StepShape(num_seqs=d, decode_seqs=d, sampled=d, draft_tokens=k)
-                                                  for d in (1, 2, 4) for k in (0, 3, 8))]
-    assert refit(LINEAR, samples).coefficients["draft_tokens"] == pytest.approx(0.0015, rel=1e-6)
+    samples = _timed(truth, [StepShape(num_seqs=d, decode_seqs=d, sampled=d, draft_tokens=k)
+                             for d in (1, 2, 4) for k in (0, 3, 8)])
+    assert refit(LINEAR, *samples).coefficients["draft_tokens"] == pytest.approx(0.0015, rel=1e-6)
 
 
 def test_whole_prefill_policies_ignore_the_target() -> None:

@@ -15,8 +15,8 @@ import pytest
 from cadence.core.cost_model import CostModel
 from cadence.policies.fcfs import FCFSPolicy
 from cadence.sim.cli import register
-from cadence.sim.run_loop import StepRecord
 from cadence.sim.simulator import EngineLimits, simulate
+from cadence.sim.step_log import StepRecord
 from cadence.sim.workload import RequestSpec
 
 LIMITS = EngineLimits(num_kv_blocks=256, block_size=4, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,

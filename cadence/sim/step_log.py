@@ -1,0 +1,93 @@
+"""Simulated steps kept as typed columns: a fleet simulation of a million requests runs tens of millions
+of steps, which as objects (about 250 bytes each) would not fit in memory; as columns they take 60."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One simulated step: when it ran, what it computed, and the engine's state after scheduling."""
+
+    start: float
+    duration: float
+    num_seqs: int
+    num_tokens: int
+    prefill_tokens: int
+    decode_seqs: int
+    kv_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions: int  # cumulative
+    engine: int = 0
+
+
+# Each field's array type code: doubles for times and usage, 32-bit ints for the counts (a step's KV
+# tokens are at most its engine's pool).
+_CODES = {name: "d" if name in ("start", "duration", "kv_usage") else "i" for name in StepRecord.__slots__}
+
+
+class StepLog(Sequence[StepRecord]):
+    """Steps in the order they were added, each read back as a :class:`StepRecord`."""
+
+    def __init__(self) -> None:
+        self._columns = {name: array(code) for name, code in _CODES.items()}
+
+    def append(self, record: StepRecord) -> None:
+        for name, column in self._columns.items():
+            column.append(getattr(record, name))
+
+    def extend_columns(self, columns: dict[str, np.ndarray]) -> None:
+        """Add steps given as one array per field (every field, all of one length)."""
+        if columns.keys() != self._columns.keys() or len({len(c) for c in columns.values()}) > 1:
+            raise ValueError("need one array per step field, all of one length")
+        for name, column in self._columns.items():
+            column.frombytes(np.ascontiguousarray(columns[name], dtype=column.typecode).tobytes())
+
+    def column(self, name: str) -> np.ndarray:
+        """One field of every step (a read-only view, no copy)."""
+        view = np.frombuffer(self._columns[name], dtype=self._columns[name].typecode)
+        view.flags.writeable = False
+        return view
+
+    @classmethod
+    def merged(cls, logs: Sequence[StepLog]) -> StepLog:
+        """Several engines' steps as one log, by start (then engine)."""
+        if len(logs) == 1:
+            return logs[0]
+        columns = {name: np.concatenate([log.column(name) for log in logs]) for name in _CODES}
+        order = np.lexsort((columns["engine"], columns["start"]))
+        log = cls()
+        log.extend_columns({name: values[order] for name, values in columns.items()})
+        return log
+
+    def __len__(self) -> int:
+        return len(self._columns["start"])
+
+    @overload
+    def __getitem__(self, index: int) -> StepRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[StepRecord]: ...
+
+    def __getitem__(self, index: int | slice) -> StepRecord | list[StepRecord]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return StepRecord(*(column[index] for column in self._columns.values()))
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        return map(StepRecord, *self._columns.values())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepLog):
+            return self._columns == other._columns
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable

@@ -1,0 +1,101 @@
+"""The simulator's fast-forward (``cadence/sim/decode_run.py``): which steps it takes in one call, and
+what they are. That the result is the same as step by step is ``property_tests/test_decode_fast_forward.py``."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from cadence.core.cost_model import CostModel, StepShape
+from cadence.core.kv_cache_manager import KVCacheManager
+from cadence.core.scheduler import Scheduler
+from cadence.policies.loader import load_policy
+from cadence.request import Request
+from cadence.sampling_params import SamplingParams
+from cadence.sim import run_loop
+from cadence.sim.decode_run import DecodeRun, plan_decode_run
+from cadence.sim.runner import SimulatedRunner
+from cadence.sim.simulator import EngineLimits, simulate
+from cadence.sim.workload import RequestSpec
+
+COSTS = CostModel({"const": 0.004, "decode_seqs": 0.0007, "kv_tokens": 3.1e-7, "prefill_tokens": 1.3e-4,
+                   "sampled": 1e-4})
+LIMITS = EngineLimits(num_kv_blocks=64, block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                      target_itl_ms=0.0)
+
+
+def _decoding(prompts: list[int], outputs: list[int], policy: str = "fcfs", limits: EngineLimits = LIMITS,
+              ) -> Scheduler:
+    """A scheduler whose requests have all been prefilled and sampled their first token."""
+    allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching)
+    scheduler = Scheduler(limits.scheduler_config(policy), allocator, load_policy(policy, limits.policy_context()),
+                          cost_model=COSTS)
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        params = SamplingParams(max_tokens=output, ignore_eos=True)
+        scheduler.add_request(Request(f"r{i}", list(range(100 * i, 100 * i + prompt)), params, None, 0.0, 256))
+    runner = SimulatedRunner(COSTS)
+    while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):
+        scheduler.update_from_output(runner.execute(scheduler.schedule())[0])
+    return scheduler
+
+
+def _run(scheduler: Scheduler, max_steps: int = 10**6) -> DecodeRun:
+    run = plan_decode_run(scheduler, COSTS, 1.5, max_steps)
+    assert run is not None
+    return run
+
+
+def test_a_run_ends_before_the_step_that_finishes_its_first_request() -> None:
+    run = _run(_decoding([10, 7], [40, 25]))
+    assert run.num_steps == 25 - 1 - 1  # one token sampled at the prefill; the last step finishes r1
+    assert [r.request_id for r in run.requests] == ["r0", "r1"]
+    assert run.starts[0] == 1.5 and np.all(run.starts[1:] == run.starts[:-1] + run.durations)  # end = start + duration
+    assert _run(_decoding([10, 7], [40, 25]), max_steps=5).num_steps == 5
+
+
+def test_each_step_of_a_run_is_priced_as_its_shape_is_one_by_one() -> None:
+    run = _run(_decoding([10, 7, 30], [40, 25, 60]))
+    shapes = [StepShape(num_seqs=3, decode_seqs=3, kv_tokens=11 + 8 + 31 + 3 * j, sampled=3) for j in range(23)]
+    assert [run.shape(j) for j in range(23)] == shapes
+    assert run.durations.tolist() == [COSTS.step_time(s) for s in shapes]  # bit for bit
+    assert run.free_blocks.tolist() == [
+        64 - 1 - 3 - 2 - 8 - sum(((length + j) % 4 == 1) for length in (11, 8, 31) for j in range(k + 1))
+        for k in range(23)]
+
+
+def test_a_run_stops_before_the_step_that_finds_no_free_block() -> None:
+    limits = EngineLimits(num_kv_blocks=9, block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                          target_itl_ms=0.0)
+    scheduler = _decoding([9, 5], [20, 20], limits=limits)  # 3 + 2 of the 8 usable blocks held
+    run = _run(scheduler)
+    # r0 (10 tokens) takes a block at steps 3, 7; r1 (6 tokens) at steps 3, 7: the 4th take is at step 7.
+    assert scheduler.allocator.num_free_blocks == 3
+    assert run.num_steps == 7 and run.free_blocks.tolist() == [3, 3, 3, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("why", ["waiting", "fair", "trace", "one step left"])
+def test_no_run_where_a_step_needs_the_scheduler_or_its_hooks(why: str) -> None:
+    scheduler = _decoding([10, 7], [40, 3 if why == "one step left" else 25], "fair" if why == "fair" else "fcfs")
+    if why == "waiting":
+        scheduler.add_request(Request("late", [1, 2, 3], SamplingParams(max_tokens=4), None, 0.0, 256))
+    if why == "trace":
+        scheduler.trace = mock.Mock()
+    assert plan_decode_run(scheduler, COSTS, 0.0, 10**6) is None
+
+
+def test_simulate_takes_a_lone_decode_in_one_run_and_an_arrival_cuts_it_at_the_next_step() -> None:
+    step = CostModel.constant(0.01)
+    with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
+        alone = simulate([RequestSpec(0.0, 10, 50)], LIMITS, "fcfs", step)
+    # The prefill, 48 decodes in one run, and the step that finishes.
+    assert [c.args[1] for c in bulk.call_args_list] == [48] and alone.num_steps == 50
+    assert alone.records[0].chunk_times == pytest.approx([0.01 * (i + 1) for i in range(50)])
+    late = [RequestSpec(0.0, 10, 50, request_id="a"), RequestSpec(0.1234, 4, 5, request_id="b")]
+    with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
+        cut = simulate(late, LIMITS, "fcfs", step)
+    # Steps 2-13 began before 0.1234 (the 13th at 0.12); "b" joins the 14th, at 0.13.
+    assert bulk.call_args_list[0].args[1] == 12
+    assert cut.records[1].chunk_times[0] == pytest.approx(0.14)
+    assert cut.steps == simulate(late, LIMITS, "fcfs", step, fast_forward=False).steps
