@@ -37,7 +37,7 @@ def main() -> int:
     parser.add_argument("--baseline-requests", type=int, default=9_600,
                         help="simulated step by step as well, for the speed-up and the equality check")
     parser.add_argument("--router", default="least-loaded",
-                        help="prefix-aware needs every step's KV events, so it takes no fast-forward")
+                        help="the data-parallel router (any: prefix-aware is told what runs evict)")
     parser.add_argument("--load", type=float, default=0.7)
     parser.add_argument("--burstiness", type=float, default=0.5)
     parser.add_argument("--input-len", default="lognormal:240:1")

@@ -80,3 +80,26 @@ def test_fast_forward_reports_what_the_steps_one_by_one_report(
                                  max_steps=20_000, fast_forward=fast_forward))
     event(f"steps taken in bulk: {'some' if bulk.call_count else 'none'}")
     _same(*runs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kinds=st.lists(st.tuples(st.booleans(), st.integers(0, 200), st.integers(1, 40)), min_size=2, max_size=16),
+    spare_blocks=st.integers(0, 12),
+    engines=st.integers(2, 3),
+)
+def test_a_prefix_aware_fleet_routes_as_step_by_step_while_runs_evict_its_prefixes(
+        kinds: list[tuple[bool, int, int]], spare_blocks: int, engines: int) -> None:
+    """Requests that share a prefix (and leave it cached) among long decodes whose blocks evict it,
+    in pools with little to spare: the router must hear of each eviction before it routes by it."""
+    prefix = tuple(range(5, 13))
+    workload = [RequestSpec(arrival / 1000, 9 if shares else 4, output, request_id=f"r{i}",
+                            prompt_token_ids=(*prefix, 100 + i) if shares else tuple(range(1000 * (i + 1),
+                                                                                             1000 * (i + 1) + 4)))
+                for i, (shares, arrival, output) in enumerate(kinds)]
+    needed = max(-(-(s.prompt_tokens + s.output_tokens) // 4) for s in workload)
+    limits = EngineLimits(num_kv_blocks=needed + 1 + spare_blocks, block_size=4, max_model_len=64,
+                          max_num_seqs=8, max_num_batched_tokens=64, target_itl_ms=0.0)
+    runs = [simulate(workload, limits, "fcfs", _COST_MODELS[0], engines=engines, router="prefix-aware",
+                     max_steps=20_000, fast_forward=fast_forward) for fast_forward in (False, True)]
+    _same(*runs)

@@ -9,7 +9,7 @@ prefix-cache map here, so that evicting a free block drops its hash from the rig
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -37,6 +37,15 @@ def salt_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...]:
     """The extra keys of a request's block ``block_index``: its cache salt (a LoRA adapter's) in the
     first block only, whose hash then carries it down the chain to every later block."""
     return (cache_salt,) if block_index == 0 and cache_salt else ()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
+                 cache_salt: str | None = None) -> Iterator[int]:
+    """The prefix-cache keys of the first ``num_blocks`` full blocks of ``token_ids``, in order."""
+    parent: int | None = None
+    for i in range(num_blocks):
+        parent = hash_block(parent, list(token_ids[i * block_size:(i + 1) * block_size]), salt_keys(i, cache_salt))
+        yield parent
 
 
 class KVRequest(Protocol):
@@ -330,6 +339,16 @@ class PoolViews:
     def usage(self) -> float:
         """Fraction of the usable (non-null) blocks held by requests."""
         return 1.0 - self._pool.free.size / (self._pool.num_blocks - 1)
+
+    def eviction_order(self, num: int) -> list[int | None]:
+        """The group-0 hashes of the next ``num`` blocks an allocation would take (None: no hash), in
+        order: what taking them would evict, as KV events report it."""
+        hashes: list[int | None] = []
+        block = self._pool.free.head.next_free
+        while len(hashes) < num and block is not None and block is not self._pool.free.tail:
+            hashes.append(block.block_hash if block.group == 0 else None)
+            block = block.next_free
+        return hashes
 
     def take_events(self) -> list[KVEvent]:
         """Drain the KV events recorded since the last call (group 0's; always empty unless enabled)."""

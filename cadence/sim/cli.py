@@ -93,6 +93,9 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
                    help="also write the run as the live dashboard's page (HTML, a slider over the virtual time; "
                         "with several policies one file each, named as --trace-scheduling's)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--no-fast-forward", action="store_true",
+                   help="take every step one by one, not runs of decode-only steps at once (the same figures, "
+                        "slower; docs/research.md)")
 
 
 def _policy_specs(ns: argparse.Namespace) -> list[tuple[str, str, dict[str, str]]]:
@@ -147,7 +150,8 @@ def run_simulate(ns: argparse.Namespace) -> int:
         result = simulate(workload, limits, name, cost_model, ns.seed, policy_options=options, label=label,
                           trace_scheduling=_per_policy_path(config.scheduler.trace_scheduling, label, len(specs)),
                           engines=ns.engines, router=config.parallel.router, speculative=config.speculative,
-                          draft_acceptance=ns.draft_acceptance, dashboard=dashboard)
+                          draft_acceptance=ns.draft_acceptance, dashboard=dashboard,
+                          fast_forward=not ns.no_fast_forward)
         print(f"{label}: {result.num_steps} steps, {result.end_time:.1f} s simulated in "
               f"{result.wall_time_s:.2f} s", file=sys.stderr)
         results.append(result)

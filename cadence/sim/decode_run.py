@@ -4,11 +4,14 @@ When nothing waits on an engine and every running request decodes (one token a s
 length), its next steps differ only in their contexts, each a token longer than in the step before:
 their shapes, times, block allocations and tokens follow from the requests' lengths. A
 :class:`DecodeRun` plans such steps up to the one that would finish a request or find no free block,
-and commits any prefix of them at once, leaving what the steps one by one would have left: the
-requests' tokens and computed counts, the allocator calls that do work (a block taken, a block filled
-and cached; at every other step ``allocate`` changes nothing), the runner's counts, the step budget's
-samples, the step records and the chunk times. A request that arrives at the engine cuts the run: the
-steps that began before it stand. docs/research.md, "Fast-forward".
+and commits its steps in stretches, each at once, leaving what the steps one by one would have left:
+the requests' tokens and computed counts, the allocator calls that do work (a block taken, a block
+filled and cached; at every other step ``allocate`` changes nothing), the runner's counts, the step
+budget's samples, the step records and the chunk times. A request that arrives at the engine cuts
+the run: the steps that began before it stand. Where the KV events are recorded (for a router that
+follows the prefix caches), the run knows which cached hashes its block takes evict and at which
+step, so a router can be told them before an arrival they could matter to. docs/research.md,
+"Fast-forward".
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class DecodeRun:
     durations: np.ndarray
     kv_tokens: np.ndarray
     free_blocks: np.ndarray  # free blocks once each step is scheduled
+    evictions: dict[int, int]  # cached hash -> the step that evicts it (with KV events recorded only)
 
     @property
     def num_steps(self) -> int:
@@ -44,6 +48,10 @@ class DecodeRun:
     def steps_begun_before(self, time: float) -> int:
         """How many of the run's steps had begun by ``time`` (a request arriving then waits for the next)."""
         return int(np.searchsorted(self.starts[:-1], time, side="left"))
+
+    def steps_ended_before(self, time: float) -> int:
+        """How many of the run's steps had ended by ``time`` (an arrival then is routed after their KV events)."""
+        return int(np.searchsorted(self.starts[1:], time, side="left"))
 
     def shape(self, step: int) -> StepShape:
         n = len(self.requests)
@@ -77,10 +85,16 @@ def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max
     num_steps = int(np.searchsorted(-free_blocks, 0, side="right"))  # until a step finds none
     if num_steps < _MIN_STEPS:
         return None
-    kv_tokens = int(tokens.sum()) + len(requests) * step[:num_steps]
+    step = step[:num_steps]
+    kv_tokens = int(tokens.sum()) + len(requests) * step
     durations = cost_model.decode_step_times(len(requests), kv_tokens)
     starts = np.add.accumulate(np.concatenate(([now], durations)))  # each end as now + duration, in turn
-    return DecodeRun(requests, tokens, starts, durations, kv_tokens, free_blocks[:num_steps])
+    evictions: dict[int, int] = {}
+    if allocator.enable_kv_events:  # the k-th block taken is the free list's k-th, whatever takes it
+        take_steps = np.repeat(step, takes_by_residue[step % allocator.block_size]).tolist()
+        evicted = allocator.eviction_order(len(take_steps))
+        evictions = {h: s for h, s in zip(evicted, take_steps, strict=True) if h is not None}
+    return DecodeRun(requests, tokens, starts, durations, kv_tokens, free_blocks[:num_steps], evictions)
 
 
 def _ends_by_length(request: Request) -> bool:
@@ -90,26 +104,32 @@ def _ends_by_length(request: Request) -> bool:
         params.ignore_eos or request.eos_token_id != SIMULATED_TOKEN_ID)
 
 
-def commit(run: DecodeRun, num_steps: int, scheduler: Scheduler, tracker: ShapeTracker) -> None:
+def commit(run: DecodeRun, start: int, stop: int, scheduler: Scheduler, tracker: ShapeTracker) -> None:
     """Leave ``scheduler`` (its requests, allocator and step budget) and the runner's ``tracker`` as
-    the run's first ``num_steps`` steps one by one would; the caller records the steps and tokens."""
+    the run's steps ``start`` to ``stop`` (exclusive, those before committed) one by one would; the
+    caller records the steps and tokens."""
     allocator = scheduler.allocator
     block_size = allocator.block_size
-    new_tokens = [SIMULATED_TOKEN_ID] * num_steps
+    new_tokens = [SIMULATED_TOKEN_ID] * (stop - start)
+    lengths = run.tokens.tolist()
     calls: list[tuple[int, int]] = []  # (step, index in the running order): the allocations that do work
-    for i, (request, length) in enumerate(zip(run.requests, run.tokens.tolist(), strict=True)):
+    for i, (request, length) in enumerate(zip(run.requests, lengths, strict=True)):
         request.output_token_ids.extend(new_tokens)  # blocks are hashed only up to each call's position
         request.all_token_ids.extend(new_tokens)
-        calls.extend((step, i) for step in range((1 - length) % block_size, num_steps, block_size))
+        calls.extend((step, i) for step in range(_first(start, 1 - length, block_size), stop, block_size))
         if allocator.enable_prefix_caching:  # step j fills a block where its position ends one
-            calls.extend((step, i) for step in range(-length % block_size, num_steps, block_size))
-    lengths = run.tokens.tolist()
+            calls.extend((step, i) for step in range(_first(start, -length, block_size), stop, block_size))
     for step, i in sorted(set(calls)):  # step j computes position length + j - 1: slots up to length + j
         if allocator.grow(run.requests[i], lengths[i] + step) is None:
             raise RuntimeError(f"a planned decode run found no free block for {run.requests[i].request_id!r}")
-    for request, length in zip(run.requests, run.tokens.tolist(), strict=True):
-        request.num_computed_tokens = length - 1 + num_steps
+    for request, length in zip(run.requests, lengths, strict=True):
+        request.num_computed_tokens = length - 1 + stop
     if scheduler.step_budget is not None:
-        scheduler.step_budget.observe_decodes(len(run.requests), run.kv_tokens[:num_steps], run.durations[:num_steps])
-    finished = scheduler.advance_decodes(num_steps, run.shape(num_steps - 1))
-    tracker.advance_decodes([r.request_id for r in run.requests], num_steps, finished)
+        scheduler.step_budget.observe_decodes(len(run.requests), run.kv_tokens[start:stop], run.durations[start:stop])
+    finished = scheduler.advance_decodes(stop - start, run.shape(stop - 1))
+    tracker.advance_decodes([r.request_id for r in run.requests], stop - start, finished)
+
+
+def _first(start: int, residue: int, block_size: int) -> int:
+    """The first step from ``start`` that is ``residue`` modulo ``block_size``."""
+    return start + (residue - start) % block_size

@@ -17,11 +17,12 @@ import heapq
 import math
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from cadence.bench.metrics import RequestRecord
+from cadence.core.block_pool import block_hashes
 from cadence.core.kv_events import fold_kv_events
 from cadence.core.scheduler import Scheduler
 from cadence.engine.routers.base import Router
@@ -31,7 +32,7 @@ from cadence.request import Request
 from cadence.sampling_params import SamplingParams
 from cadence.sim.dashboard_report import SimDashboard
 from cadence.sim.decode_run import DecodeRun, commit, plan_decode_run
-from cadence.sim.runner import SimulatedRunner
+from cadence.sim.runner import SIMULATED_TOKEN_ID, SimulatedRunner
 from cadence.sim.step_log import StepLog, StepRecord
 from cadence.sim.workload import FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, RequestSpec
 
@@ -55,6 +56,7 @@ class SimEngine:
         self._result: ModelRunnerOutput | None = None
         self._duration = 0.0  # the running step's
         self._run: DecodeRun | None = None
+        self._done = 0  # the run's steps applied so far
         self.dashboard: SimDashboard | None = None
 
     @property
@@ -68,7 +70,7 @@ class SimEngine:
         """
         scheduler = self.scheduler
         if self.fast_forward and self.dashboard is None:
-            self._run = plan_decode_run(scheduler, self.runner.cost_model, now, max_steps)
+            self._run, self._done = plan_decode_run(scheduler, self.runner.cost_model, now, max_steps), 0
             if self._run is not None:
                 self.busy_until = float(self._run.starts[-1])
                 return self.busy_until
@@ -93,6 +95,7 @@ class SimEngine:
         """Apply the running step's outputs at its end (a chunk may carry several tokens: speculation)."""
         if self._run is not None:
             self._commit(self._run.num_steps, chunk_times, num_tokens)
+            self._run = None
         if self._result is None:  # a run, committed now or when it was cut
             self.busy_until = None
             return
@@ -110,33 +113,56 @@ class SimEngine:
         if self.dashboard is not None:
             self.dashboard.step_finished(self.rank, self.scheduler, outputs, now)
 
-    def cut(self, time: float, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> float | None:
-        """Before a request that arrives at ``time`` joins: end the run, if one is going, after the steps
-        begun by then (their outputs applied); the end of the last of those, or None without a run."""
+    def catch_up(self, time: float, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> None:
+        """Apply the steps of the run (if one is going) that ended before ``time``; it goes on."""
+        if self._run is not None:
+            self._commit(self._run.steps_ended_before(time), chunk_times, num_tokens)
+
+    def evicts_before(self, hashes: Iterable[int], time: float) -> bool:
+        """Whether a step of the run not applied yet, ended before ``time``, evicted one of ``hashes``."""
         run = self._run
         if run is None:
-            return None
+            return False
+        steps = [run.evictions.get(h) for h in hashes]
+        return any(s is not None and s >= self._done and run.starts[s + 1] < time for s in steps)
+
+    @property
+    def in_run(self) -> bool:
+        """Whether a run of decode-only steps is going (its KV events are told as its steps are applied)."""
+        return self._run is not None
+
+    def cut(self, time: float, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> float:
+        """Before a request that arrives at ``time`` joins: end the run after the steps begun by then
+        (their outputs applied; call :meth:`catch_up` first for those that ended, whose KV events a
+        router must hear now); the end of the last of those."""
+        run = self._run
+        assert run is not None
         num_steps = run.steps_begun_before(time)
         self._commit(num_steps, chunk_times, num_tokens)
+        self._run = None
         self.busy_until = float(run.starts[num_steps])
         self.generation += 1
         return self.busy_until
 
-    def _commit(self, num_steps: int, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> None:
-        run, self._run = self._run, None
+    def _commit(self, stop: int, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> None:
+        """Apply the run's steps up to ``stop`` (exclusive) from the first not applied yet."""
+        run, start = self._run, self._done
         assert run is not None
-        commit(run, num_steps, self.scheduler, self.runner.tracker)
-        ends = run.starts[1:num_steps + 1].tobytes()
+        if stop <= start:
+            return
+        self._done = stop
+        commit(run, start, stop, self.scheduler, self.runner.tracker)
+        ends = run.starts[start + 1:stop + 1].tobytes()
         for request in run.requests:
             chunk_times[request.request_id].frombytes(ends)
-            num_tokens[request.request_id] += num_steps
+            num_tokens[request.request_id] += stop - start
         n, preemptions = len(run.requests), self.scheduler.num_preemptions
-        usage = 1.0 - run.free_blocks[:num_steps] / (self.scheduler.allocator.num_blocks - 1)
-        same = np.ones(num_steps, dtype=np.int64)
+        usage = 1.0 - run.free_blocks[start:stop] / (self.scheduler.allocator.num_blocks - 1)
+        same = np.ones(stop - start, dtype=np.int64)
         self.steps.extend_columns({
-            "start": run.starts[:num_steps], "duration": run.durations[:num_steps], "num_seqs": n * same,
+            "start": run.starts[start:stop], "duration": run.durations[start:stop], "num_seqs": n * same,
             "num_tokens": n * same, "prefill_tokens": 0 * same, "decode_seqs": n * same,
-            "kv_tokens": run.kv_tokens[:num_steps], "num_running": n * same, "num_waiting": 0 * same,
+            "kv_tokens": run.kv_tokens[start:stop], "num_running": n * same, "num_waiting": 0 * same,
             "kv_usage": usage, "num_preemptions": preemptions * same, "engine": self.rank * same})
 
 
@@ -195,10 +221,13 @@ class RunLoop:
                     request = self._request(next_arrival)
                     if self.dashboard is not None:
                         self.dashboard.arrived(request.request_id, now)
+                    self._tell_before(request, now)
                     engine = self._route(request)
-                    cut_end = engine.cut(now, self.chunk_times, self.num_tokens)
-                    if cut_end is not None:
-                        heapq.heappush(ends, (cut_end, engine.rank, engine.generation))
+                    if engine.in_run:  # the request joins at the next step's start
+                        engine.catch_up(now, self.chunk_times, self.num_tokens)
+                        self._tell_router(engine)
+                        heapq.heappush(ends, (engine.cut(now, self.chunk_times, self.num_tokens), engine.rank,
+                                              engine.generation))
                     engine.scheduler.add_request(request)
                     self._loads[engine.rank] = engine.load
                     if engine.busy_until is None and engine not in started:
@@ -223,6 +252,26 @@ class RunLoop:
         if self.router is None:
             return self.engines[0]
         return self.engines[self.router.choose(self._loads, request.prompt_token_ids)]
+
+    def _tell_before(self, request: Request, now: float) -> None:
+        """Tell a router that follows the prefix caches what it could route ``request`` by that runs'
+        steps ended before ``now`` changed: a run's block takes evict cached blocks (known when it was
+        planned), and its fills cache blocks of generated tokens, which only a prompt holding the
+        simulated token can match."""
+        if self.router is None or not self.router.observes_prefix_caches:
+            return
+        running = [engine for engine in self.engines if engine.in_run]
+        if not running:
+            return
+        prompt = request.prompt_token_ids
+        anything = SIMULATED_TOKEN_ID in prompt
+        hashes = [] if anything else list(block_hashes(prompt, self.router.context.block_size,
+                                                       (len(prompt) - 1) // self.router.context.block_size,
+                                                       request.cache_salt))
+        for engine in running:
+            if anything or engine.evicts_before(hashes, now):
+                engine.catch_up(now, self.chunk_times, self.num_tokens)
+                self._tell_router(engine)
 
     def _tell_router(self, engine: SimEngine) -> None:
         if self.router is not None and self.router.observes_prefix_caches:

@@ -222,10 +222,10 @@ def simulate(
     ``simulate --dashboard``'s report).
 
     ``fast_forward`` lets an engine take a run of decode-only steps in one call where the result is
-    the same as step by step (``sim/decode_run.py``): with a policy that allows it, and not behind a
-    router that follows the prefix caches (it must hear every step's KV events before each arrival),
-    nor with a step hook, a scheduling trace, a dashboard or speculation. Off, every step is taken
-    one by one.
+    the same as step by step (``sim/decode_run.py``): with a policy that allows it, and not with a
+    step hook, a scheduling trace, a dashboard or speculation. A router that follows the prefix
+    caches is told the KV events of a run's steps before an arrival they could matter to. Off,
+    every step is taken one by one.
 
     :raises ValueError: for a request the engine would reject, an unknown policy or router, a
         policy object with several engines, or speculation with a cost model that prices no drafts.
@@ -271,8 +271,8 @@ def simulate(
         scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, engine_policy,
                               cost_model=model, trace=trace,
                               speculation=None if speculative is None else SpecDecoding(speculative))
-        bulk = fast_forward and not (fleet is not None and fleet.observes_prefix_caches)
-        sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model, drafts, seed + rank), on_step, bulk))
+        sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model, drafts, seed + rank), on_step,
+                                     fast_forward))
     run = RunLoop(workload, limits.max_model_len, sim_engines, fleet, clock, seed, max_steps, dashboard)
     started = time.perf_counter()
     try:

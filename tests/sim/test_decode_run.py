@@ -90,12 +90,37 @@ def test_simulate_takes_a_lone_decode_in_one_run_and_an_arrival_cuts_it_at_the_n
     with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
         alone = simulate([RequestSpec(0.0, 10, 50)], LIMITS, "fcfs", step)
     # The prefill, 48 decodes in one run, and the step that finishes.
-    assert [c.args[1] for c in bulk.call_args_list] == [48] and alone.num_steps == 50
+    assert [c.args[1:3] for c in bulk.call_args_list] == [(0, 48)] and alone.num_steps == 50
     assert alone.records[0].chunk_times == pytest.approx([0.01 * (i + 1) for i in range(50)])
     late = [RequestSpec(0.0, 10, 50, request_id="a"), RequestSpec(0.1234, 4, 5, request_id="b")]
     with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
         cut = simulate(late, LIMITS, "fcfs", step)
-    # Steps 2-13 began before 0.1234 (the 13th at 0.12); "b" joins the 14th, at 0.13.
-    assert bulk.call_args_list[0].args[1] == 12
+    # Steps 2-13 began before 0.1234 (the 13th at 0.12, ending at 0.13): "b" joins the 14th, at 0.13.
+    assert [c.args[1:3] for c in bulk.call_args_list[:2]] == [(0, 11), (11, 12)]  # those ended, then the 13th
     assert cut.records[1].chunk_times[0] == pytest.approx(0.14)
     assert cut.steps == simulate(late, LIMITS, "fcfs", step, fast_forward=False).steps
+
+
+def test_a_prefix_aware_router_hears_of_a_runs_evictions_before_it_routes_a_request_they_matter_to() -> None:
+    """Engine 0 caches a prefix (a), then decodes a long request (c) whose blocks evict it, in one run;
+    a request with that prefix (d) arrives mid-run: it goes to the idle engine 1, as step by step."""
+    limits = EngineLimits(num_kv_blocks=18, block_size=4, max_model_len=128, max_num_seqs=8,
+                          max_num_batched_tokens=64, target_itl_ms=0.0)
+    prefix = tuple(range(101, 109))
+    workload = [RequestSpec(0.0, 9, 1, request_id="a", prompt_token_ids=(*prefix, 200)),
+                RequestSpec(0.0, 4, 3, request_id="b", prompt_token_ids=(1000, 1001, 1002, 1003)),
+                RequestSpec(0.0, 4, 64, request_id="c", prompt_token_ids=(2000, 2001, 2002, 2003)),
+                RequestSpec(0.625, 9, 2, request_id="d", prompt_token_ids=(*prefix, 300))]
+    step = CostModel.constant(0.01)
+
+    def run(fast_forward: bool) -> list[int]:
+        result = simulate(workload, limits, "fcfs", step, engines=2, router="prefix-aware", fast_forward=fast_forward)
+        assert result.records[3].completed
+        return [s.engine for s in result.steps if s.start > 0.62 and s.prefill_tokens]
+
+    assert run(False) == [1]  # c's takes evicted the prefix at 0.61-0.62: d goes by load
+    with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
+        assert run(True) == [1]
+    assert bulk.call_args_list[0].args[1:3] == (0, 61)  # the run's steps until d's arrival, told first
+    with mock.patch.object(run_loop.RunLoop, "_tell_before"):  # not told: the router still sees the prefix
+        assert run(True) == [0]

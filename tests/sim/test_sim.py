@@ -186,6 +186,14 @@ def test_simulate_verb_prints_a_table_and_writes_json_and_plots(
     again = json.loads((tmp_path / "again" / "results.json").read_text())
     assert again["results"][0]["median_ttft_ms"] == data["results"][0]["median_ttft_ms"]
     assert not (tmp_path / "again" / "latency_cdf.png").exists()
+    # And step by step (no fast-forward), to the same figures again.
+    ns = _cli().parse_args(["simulate", "--model", folder, "--cost-model", "builtin", "--num-kv-blocks", "64",
+                            "--trace", str(tmp_path / "t.jsonl"), "--output-dir", str(tmp_path / "slow"),
+                            "--no-plots", "--no-fast-forward"])
+    assert ns.run(ns) == 0
+    slow = json.loads((tmp_path / "slow" / "results.json").read_text())
+    assert [{k: v for k, v in r.items() if k != "wall_time_s"} for r in slow["results"]] == [
+        {k: v for k, v in r.items() if k != "wall_time_s"} for r in again["results"]]
 
 
 def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(

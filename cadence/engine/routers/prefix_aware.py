@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cadence.core.block_pool import hash_block, salt_keys
+from cadence.core.block_pool import block_hashes
 from cadence.engine.routers.base import Router, RouterContext
 from cadence.messages import KVCacheDelta
 
@@ -63,9 +63,7 @@ class PrefixAwareRouter(Router):
         bs = self.context.block_size
         matched = [0] * self.context.num_engines
         holders = list(range(self.context.num_engines))
-        parent: int | None = None
-        for i in range((len(prompt_token_ids) - 1) // bs):
-            parent = hash_block(parent, list(prompt_token_ids[i * bs:(i + 1) * bs]), salt_keys(i, cache_salt))
+        for parent in block_hashes(prompt_token_ids, bs, (len(prompt_token_ids) - 1) // bs, cache_salt):
             holders = [e for e in holders if parent in self._cached[e]]
             if not holders:
                 break
