@@ -28,6 +28,7 @@ from cadence.sim.simulator import EngineLimits, SimResult, simulate
 from cadence.sim.workload import RequestSpec, describe, synthetic_workload
 
 GOAL_S = 600.0
+GOAL_REQUESTS, GOAL_ENGINES = 999_000, 64  # a million, less the few dropped for their length
 
 
 def main() -> int:
@@ -79,11 +80,15 @@ def main() -> int:
           f"{per_request_ms:.2f} ms a request), peak memory {peak_gib:.1f} GiB")
     print(f"simulated {summary['simulated_time_s']:.0f} s: {summary['output_throughput']:.0f} out tok/s, TTFT p50 "
           f"{summary['median_ttft_ms']:.0f} ms, p99 {summary['p99_ttft_ms']:.0f} ms")
-    met = total_s <= GOAL_S
-    print(f"goal ({GOAL_S:.0f} s): {'met' if met else 'NOT met'}")
+    # The goal is a million requests over 64 engines; a smaller run says what its rate projects.
+    whole_goal = len(workload) >= GOAL_REQUESTS and args.engines >= GOAL_ENGINES
+    projected_s = total_s * GOAL_REQUESTS / len(workload)
+    met = whole_goal and total_s <= GOAL_S
+    print(f"goal (a million requests over {GOAL_ENGINES} engines in {GOAL_S:.0f} s): "
+          f"{'met' if met else 'NOT met'} ({'measured' if whole_goal else 'projected'} {projected_s:.0f} s)")
     if args.json:
         figures: dict[str, Any] = {"args": vars(args), "rate": rate, "speedup": speedup, "same": same,
-                                   "wall_time_s": whole.wall_time_s, "total_s": total_s,
+                                   "wall_time_s": whole.wall_time_s, "total_s": total_s, "projected_s": projected_s,
                                    "num_steps": whole.num_steps, "peak_gib": peak_gib, "summary": summary}
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0 if same and met else 1
