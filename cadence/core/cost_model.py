@@ -241,7 +241,8 @@ def fit_cost_model(
     negative is held at 0 (Lawson and Hanson's NNLS). Nearly collinear features (decodes and
     sampled rows) can trade weight between them; their sum, and so the predicted time, is stable.
 
-    :raises ValueError: with fewer samples than features, or a non-positive time.
+    :raises ValueError: with fewer samples than features, a non-positive time, or a fit that does not
+        converge.
     """
     if len(shapes) != len(times):
         raise ValueError(f"{len(shapes)} shapes but {len(times)} times")
@@ -262,7 +263,8 @@ def fit_features(
     """:func:`fit_cost_model` of steps given as rows of feature values (:data:`FEATURES` order) and
     their times; the model and what it predicts for each step.
 
-    :raises ValueError: with fewer samples than features, or a non-positive time.
+    :raises ValueError: with fewer samples than features, a non-positive time, or a fit that does not
+        converge.
     """
     names = [n for n in FEATURES if n in set(features)]
     if len(y) < len(names):
@@ -287,12 +289,18 @@ def fit_features(
     return model, x @ coef
 
 
+_NNLS_ITERATIONS = 30  # per feature; SciPy's default, 3, can stop short of a degenerate window's answer
+
+
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``argmin |a x - b|`` subject to ``x >= 0`` (Lawson and Hanson's NNLS, SciPy's)."""
     # Columns are scaled to unit norm first: raw features span ~10 orders of magnitude.
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
-    return nnls(a / scale, b)[0] / scale
+    try:
+        return nnls(a / scale, b, maxiter=_NNLS_ITERATIONS * a.shape[1])[0] / scale
+    except RuntimeError as exc:  # SciPy's iteration limit: a window too degenerate to fit
+        raise ValueError(f"the step-cost fit did not converge: {exc}") from exc
 
 
 def fit_quality(model: CostModel, shapes: Sequence[StepShape], times: Sequence[float]) -> FitQuality:

@@ -80,7 +80,8 @@ class KVCacheManager(PoolViews):
         """Hold slots in every group, all or nothing (see :meth:`KVAllocator.allocate`); each
         group's new block ids, or ``None`` when the pool is too small for all of them."""
         group = self.groups[0]
-        if (len(self.groups) == 1 and group.sliding_window is None and not any(computed_block_ids)
+        if (len(self.groups) == 1 and group.sliding_window is None and num_new_tokens >= 0
+                and len(computed_block_ids) in (0, 1) and not any(computed_block_ids)
                 and not num_computed_hit_tokens and group.holds(request.request_id)):
             return self.grow(request, request.num_computed_tokens + num_new_tokens)  # the common case, unplanned
         hits = computed_block_ids or [()] * len(self.groups)

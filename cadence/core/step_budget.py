@@ -135,7 +135,7 @@ def refit(model: CostModel, features: np.ndarray, times: np.ndarray) -> CostMode
               if name == "const" or (name in ONLINE_FEATURES and high > low)]
     try:
         fitted, _ = fit_features(features, times, features=varied)
-    except ValueError:  # too few samples for the features
+    except ValueError:  # too few samples for the features, or a fit that did not converge
         return model
     kept = {name: model.coefficients.get(name, 0.0) for name in ONLINE_FEATURES}
     return CostModel({**kept, **fitted.coefficients}, {**model.metadata, "source": "refitted while running"})

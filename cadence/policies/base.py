@@ -76,7 +76,8 @@ class SchedulingPolicy(abc.ABC):
     #: Whether the simulator may run this policy's decode-only steps in bulk (docs/research.md, "Fast-forward"):
     #: True says that while nothing waits and every running request decodes, ``order_running`` keeps
     #: one order, ``num_tokens`` gives each decode its token and ``on_scheduled`` of a decode changes
-    #: nothing, so those steps need no hook called. Off unless a policy says so.
+    #: nothing, so those steps need no hook called. Off unless a policy says so; a subclass that
+    #: overrides one of those hooks must say so again (:attr:`decodes_in_bulk`).
     bulk_decodes: ClassVar[bool] = False
 
     def __init__(self, context: PolicyContext, options: Mapping[str, str] | None = None) -> None:
@@ -91,6 +92,15 @@ class SchedulingPolicy(abc.ABC):
         if self.chunked and not context.enable_chunked_prefill:
             raise ValueError(f"policy {self.name!r} with chunked=true splits prompts, which the engine was "
                              "told not to do (--no-enable-chunked-prefill); drop one of the two")
+
+    @property
+    def decodes_in_bulk(self) -> bool:
+        """``bulk_decodes``, as said by a class whose decode hooks this policy still runs: a subclass
+        that overrides ``order_running``, ``num_tokens`` or ``on_scheduled`` without saying it again
+        runs its steps one by one."""
+        cls = type(self)
+        said = next(c for c in cls.__mro__ if "bulk_decodes" in c.__dict__)
+        return cls.bulk_decodes and all(getattr(cls, hook) is getattr(said, hook) for hook in _DECODE_HOOKS)
 
     @classmethod
     def accepted_options(cls) -> Mapping[str, str]:
@@ -246,6 +256,9 @@ class SchedulingPolicy(abc.ABC):
         if not (math.isfinite(number) and number >= minimum):
             raise ValueError(f"policy {self.name!r}: option {key}={value!r} must be a number >= {minimum:g}")
         return number
+
+
+_DECODE_HOOKS = ("order_running", "num_tokens", "on_scheduled")  # what bulk_decodes vouches for
 
 
 def _is_prefilling(request: RequestView) -> bool:

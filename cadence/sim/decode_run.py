@@ -63,14 +63,16 @@ def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max
     next step is not one (something waits or prefills, a hook would need calling, a request could stop
     on a token) or fewer than two are ahead."""
     allocator = scheduler.allocator
-    if (scheduler.waiting or not scheduler.running or not scheduler.policy.bulk_decodes
+    if (scheduler.waiting or not scheduler.running or not scheduler.policy.decodes_in_bulk
             or scheduler.trace is not None or scheduler.speculation is not None
             or scheduler.structured_output is not None or allocator.num_groups != 1
             or allocator.groups[0].sliding_window is not None
             or len(scheduler.running) > scheduler.config.max_num_batched_tokens):
         return None
     running = scheduler.running
-    if any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
+    # Each request has sampled a token: the blocks a run fills then all hold generated tokens, which no
+    # prompt holds (a prompt whose last token is still to compute could fill a block of its own).
+    if any(r.num_tokens - r.num_computed_tokens != 1 or not r.num_output_tokens for r in running):
         return None
     # The step that finishes the first request is a step of its own (it frees blocks, tells the router).
     num_steps = min(min(r.max_tokens - r.num_output_tokens for r in running) - 1, max_steps)

@@ -11,8 +11,9 @@ import pytest
 from cadence.core.cost_model import CostModel, StepShape
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
+from cadence.policies.fcfs import FCFSPolicy
 from cadence.policies.loader import load_policy
-from cadence.request import Request
+from cadence.request import Request, RequestView
 from cadence.sampling_params import SamplingParams
 from cadence.sim import run_loop
 from cadence.sim.decode_run import DecodeRun, plan_decode_run
@@ -124,3 +125,34 @@ def test_a_prefix_aware_router_hears_of_a_runs_evictions_before_it_routes_a_requ
     assert bulk.call_args_list[0].args[1:3] == (0, 61)  # the run's steps until d's arrival, told first
     with mock.patch.object(run_loop.RunLoop, "_tell_before"):  # not told: the router still sees the prefix
         assert run(True) == [0]
+
+
+def test_a_policy_that_overrides_a_decode_hook_says_bulk_decodes_again_or_steps_one_by_one() -> None:
+    class Counting(FCFSPolicy):
+        def on_scheduled(self, request: RequestView, num_tokens: int) -> None:
+            pass
+
+    class CountingInBulk(Counting):
+        bulk_decodes = True
+
+    class Renamed(FCFSPolicy):  # no decode hook of its own
+        name = "renamed"
+
+    context = LIMITS.policy_context()
+    assert [p(context).decodes_in_bulk for p in (FCFSPolicy, Counting, CountingInBulk, Renamed)] == [
+        True, False, True, True]
+    assert not load_policy("fair", context).decodes_in_bulk
+
+
+def test_a_prompt_whose_last_token_is_still_to_compute_waits_for_its_first_token_before_a_run() -> None:
+    """A prefill chunk ending one token before the prompt's end leaves a one-token step that fills the
+    prompt's last block: it must reach the prefix-aware router as step by step (Z hits it)."""
+    limits = EngineLimits(num_kv_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
+                          max_num_batched_tokens=4, target_itl_ms=0.0)
+    workload = [RequestSpec(0.0, 1, 30, request_id="x", prompt_token_ids=(200,)),
+                RequestSpec(0.0, 1, 30, request_id="v", prompt_token_ids=(300,)),
+                RequestSpec(0.0, 4, 30, request_id="y", prompt_token_ids=(400, 401, 402, 403)),
+                RequestSpec(0.0025, 6, 30, request_id="z", prompt_token_ids=(400, 401, 402, 403, 500, 501))]
+    runs = [simulate(workload, limits, "chunked-prefill", CostModel.constant(0.001), engines=2,
+                     router="prefix-aware", fast_forward=fast_forward) for fast_forward in (False, True)]
+    assert runs[0].steps == runs[1].steps and runs[0].records == runs[1].records
