@@ -80,11 +80,11 @@ def main() -> int:
         return simulate(workload, limits, policy, cost_model, args.seed, policy_options=options, engines=engines,
                         router=args.router)
 
-    burst = _workload(args, args.num_requests, None)
+    burst = workload_of(args, args.num_requests, None)
     capacity = run_sim(burst, fleet).metrics().request_throughput
     rate = args.load * capacity
     log(f"simulated capacity of {fleet} engines: {capacity:.2f} req/s; offering {args.load:.0%}: {rate:.2f} req/s")
-    workload = _workload(args, args.num_requests, rate)
+    workload = workload_of(args, args.num_requests, rate)
     trace = work / "trace.jsonl"
     save_trace(workload, trace)
     log(f"workload: {describe(workload)}")
@@ -103,7 +103,7 @@ def main() -> int:
     predictions = {}
     for size in [int(n) for n in args.predict.split(",") if n.strip()]:
         # The same load per engine: as many requests per engine, arriving size/fleet times as fast.
-        bigger = _workload(args, args.num_requests * size // fleet, rate * size / fleet)
+        bigger = workload_of(args, args.num_requests * size // fleet, rate * size / fleet)
         result = run_sim(bigger, size)
         predictions[size] = {**result.metrics(percentiles=(50, 99)).to_dict(), "num_steps": result.num_steps,
                              "wall_time_s": result.wall_time_s}
@@ -122,7 +122,8 @@ def main() -> int:
     return 0 if within else 1
 
 
-def _workload(args: argparse.Namespace, count: int, rate: float | None) -> list[RequestSpec]:
+def workload_of(args: argparse.Namespace, count: int, rate: float | None) -> list[RequestSpec]:
+    """``count`` requests of ``args``' lengths and burstiness at ``rate`` (None: all at once), seeded."""
     return synthetic_workload(count, request_rate=rate or float("inf"), burstiness=args.burstiness,
                               input_len=args.input_len, output_len=args.output_len, seed=args.seed)
 

@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fleet_fidelity import workload_of
 from sim_fidelity import load_average, log
 
 from cadence.core.cost_model import CostModel
 from cadence.engine_args import EngineArgs
 from cadence.sim.simulator import EngineLimits, SimResult, simulate
-from cadence.sim.workload import RequestSpec, describe, synthetic_workload
+from cadence.sim.workload import RequestSpec, describe
 
 GOAL_S = 600.0
 GOAL_REQUESTS, GOAL_ENGINES = 999_000, 64  # a million, less the few dropped for their length
@@ -95,9 +96,7 @@ def main() -> int:
 
 
 def _workload(args: argparse.Namespace, limits: EngineLimits, count: int, rate: float | None) -> list[RequestSpec]:
-    specs = synthetic_workload(count, request_rate=rate or float("inf"), burstiness=args.burstiness,
-                               input_len=args.input_len, output_len=args.output_len, seed=args.seed)
-    return [s for s in specs if s.prompt_tokens + s.output_tokens <= limits.max_model_len]
+    return [s for s in workload_of(args, count, rate) if s.prompt_tokens + s.output_tokens <= limits.max_model_len]
 
 
 if __name__ == "__main__":

@@ -39,12 +39,12 @@ def salt_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...]:
     return (cache_salt,) if block_index == 0 and cache_salt else ()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
-                 cache_salt: str | None = None) -> Iterator[int]:
-    """The prefix-cache keys of the first ``num_blocks`` full blocks of ``token_ids``, in order."""
-    parent: int | None = None
-    for i in range(num_blocks):
-        parent = hash_block(parent, list(token_ids[i * block_size:(i + 1) * block_size]), salt_keys(i, cache_salt))
+def block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, num_blocks: int,
+                 cache_salt: str | None = None, *, start: int = 0, parent: int | None = None) -> Iterator[int]:
+    """The prefix-cache keys of full blocks ``start`` to ``num_blocks`` (exclusive) of ``token_ids``, in
+    order, chained from ``parent`` (block ``start - 1``'s key; None from the first block)."""
+    for i in range(start, num_blocks):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt_keys(i, cache_salt))
         yield parent
 
 

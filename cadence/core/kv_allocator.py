@@ -42,9 +42,8 @@ from cadence.core.block_pool import (
     KVRequest,
     PoolViews,
     RequestBlocks,
+    block_hashes,
     check_tables,
-    hash_block,
-    salt_keys,
 )
 from cadence.core.kv_events import BlockRemoved, stored_events
 
@@ -331,13 +330,8 @@ class KVAllocator(PoolViews):
 
     def _extend_hashes(self, request: KVRequest, hashes: list[int], n: int) -> None:
         """Hash the request's full blocks up to block ``n`` (exclusive), from where the memo ends."""
-        bs = self._block_size
-        tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else None
-        salt = request.cache_salt
-        for i in range(len(hashes), n):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], salt_keys(i, salt))
-            hashes.append(parent)
+        hashes.extend(block_hashes(request.all_token_ids, self._block_size, n, request.cache_salt,
+                                   start=len(hashes), parent=hashes[-1] if hashes else None))
 
     def _cache_up_to(self, request: KVRequest, state: RequestBlocks, num_total_tokens: int) -> None:
         """Offer the prefix cache every block full of known tokens among the first ``num_total_tokens``."""

@@ -57,8 +57,8 @@ class StepBudget:
         their contexts summing to each of ``kv_tokens``), in bulk (the simulator's fast-forward)."""
         if num_seqs <= 0:
             return
-        rows = np.zeros((len(seconds), len(FEATURES)))
-        rows[:, [_CONST, _DECODES, _SAMPLED]] = 1.0, num_seqs, num_seqs
+        rows = np.tile(StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, sampled=num_seqs).features(),
+                       (len(seconds), 1))
         rows[:, _KV_TOKENS] = kv_tokens
         keep = seconds > 0
         rows, seconds = rows[keep], seconds[keep]
@@ -141,4 +141,4 @@ def refit(model: CostModel, features: np.ndarray, times: np.ndarray) -> CostMode
     return CostModel({**kept, **fitted.coefficients}, {**model.metadata, "source": "refitted while running"})
 
 
-_CONST, _DECODES, _KV_TOKENS, _SAMPLED = (FEATURES.index(n) for n in ("const", "decode_seqs", "kv_tokens", "sampled"))
+_KV_TOKENS = FEATURES.index("kv_tokens")

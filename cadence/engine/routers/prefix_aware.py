@@ -63,7 +63,7 @@ class PrefixAwareRouter(Router):
         bs = self.context.block_size
         matched = [0] * self.context.num_engines
         holders = list(range(self.context.num_engines))
-        for parent in block_hashes(prompt_token_ids, bs, (len(prompt_token_ids) - 1) // bs, cache_salt):
+        for parent in block_hashes(list(prompt_token_ids), bs, (len(prompt_token_ids) - 1) // bs, cache_salt):
             holders = [e for e in holders if parent in self._cached[e]]
             if not holders:
                 break
