@@ -259,34 +259,40 @@ def fit_features(
     features: Iterable[str] = FEATURES,
     relative: bool = True,
     metadata: Mapping[str, Any] | None = None,
+    offset: float = 0.0,
 ) -> tuple[CostModel, np.ndarray]:
     """:func:`fit_cost_model` of steps given as rows of feature values (:data:`FEATURES` order) and
-    their times; the model and what it predicts for each step.
+    their times; the model and what it predicts for each step. ``offset`` is a part of every step's
+    time already known (features held at known coefficients): ``features`` are fitted to the rest.
 
     :raises ValueError: with fewer samples than features, a non-positive time, or a fit that does not
         converge.
     """
-    names = [n for n in FEATURES if n in set(features)]
+    wanted = set(features)
+    columns = [i for i, name in enumerate(FEATURES) if name in wanted]
+    names = [FEATURES[i] for i in columns]
     if len(y) < len(names):
         raise ValueError(f"need at least {len(names)} samples to fit {len(names)} features, got {len(y)}")
     if not (y > 0).all():
         raise ValueError("step times must be > 0")
-    x = x[:, [FEATURES.index(n) for n in names]]
+    x = x[:, columns]
     w = 1.0 / y if relative else np.ones_like(y)
-    coef = _nonnegative_lstsq(x * w[:, None], y * w)
-    keep = np.ones_like(y, dtype=bool)
+    rest = y - offset
+    coef = _nonnegative_lstsq(x * w[:, None], rest * w)
+    floor, keep = 1e-3 * y.mean(), None  # None: every step kept
     for _ in range(_REWEIGHTS if relative else 0):
-        predicted = np.maximum(x @ coef, 1e-3 * y.mean())
-        residual = (y - predicted) / predicted
-        spread = 1.4826 * float(np.median(np.abs(residual[keep])))  # a robust standard deviation
-        keep = np.abs(residual) <= max(_OUTLIER_SIGMAS * spread, _MIN_OUTLIER_BAND)
-        previous, coef = coef, _nonnegative_lstsq(x[keep] / predicted[keep, None], y[keep] / predicted[keep])
+        predicted = np.maximum(offset + x @ coef, floor)
+        off = np.abs((y - predicted) / predicted)
+        spread = 1.4826 * _median(off if keep is None else off[keep])  # a robust standard deviation
+        keep = off <= max(_OUTLIER_SIGMAS * spread, _MIN_OUTLIER_BAND)
+        weights = predicted[keep]
+        previous, coef = coef, _nonnegative_lstsq(x[keep] / weights[:, None], rest[keep] / weights)
         # A fixed point (the same weights and outliers next time): the engine refits every few steps,
         # and the simulator's times, without noise, get there at once.
         if (np.abs(coef - previous) <= 1e-6 * np.abs(previous)).all():  # np.allclose's test, without its overhead
             break
     model = CostModel({n: float(c) for n, c in zip(names, coef, strict=True)}, dict(metadata or {}))
-    return model, x @ coef
+    return model, offset + x @ coef
 
 
 _NNLS_ITERATIONS = 30  # per feature; SciPy's default, 3, can stop short of a degenerate window's answer
@@ -295,12 +301,22 @@ _NNLS_ITERATIONS = 30  # per feature; SciPy's default, 3, can stop short of a de
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``argmin |a x - b|`` subject to ``x >= 0`` (Lawson and Hanson's NNLS, SciPy's)."""
     # Columns are scaled to unit norm first: raw features span ~10 orders of magnitude.
-    scale = np.linalg.norm(a, axis=0)
+    scale = np.sqrt(np.add.reduce(a * a, axis=0))  # np.linalg.norm's arithmetic, without its overhead
     scale[scale == 0] = 1.0
     try:
         return nnls(a / scale, b, maxiter=_NNLS_ITERATIONS * a.shape[1])[0] / scale
     except RuntimeError as exc:  # SciPy's iteration limit: a window too degenerate to fit
         raise ValueError(f"the step-cost fit did not converge: {exc}") from exc
+
+
+def _median(values: np.ndarray) -> float:
+    """``np.median`` of a 1-d array without NaNs, to the bit, without its overhead (the step budget refits
+    thousands of times a second in a fleet simulation)."""
+    half = len(values) // 2
+    if len(values) % 2:
+        return float(np.partition(values, half)[half])
+    low, high = np.partition(values, (half - 1, half))[half - 1:half + 1]
+    return float((low + high) / 2)
 
 
 def fit_quality(model: CostModel, shapes: Sequence[StepShape], times: Sequence[float]) -> FitQuality:

@@ -12,7 +12,8 @@ Step times come from a :class:`~cadence.core.cost_model.CostModel` refitted as t
 engine (or the simulator, with its modelled times) reports each step's shape and duration, and every
 ``refit_every`` steps the last ``window`` of them are fitted again. Features the window never varied
 (no prefill in it, say) keep their previous coefficients, so a run of decodes cannot make prefills
-look free. Until the first refit the built-in (or given) model stands in.
+look free, and their share of the steps' times, so that one batch size held for a whole window does
+not price its decodes twice. Until the first refit the built-in (or given) model stands in.
 """
 
 from __future__ import annotations
@@ -57,17 +58,17 @@ class StepBudget:
         their contexts summing to each of ``kv_tokens``), in bulk (the simulator's fast-forward)."""
         if num_seqs <= 0:
             return
-        rows = np.tile(StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, sampled=num_seqs).features(),
-                       (len(seconds), 1))
-        rows[:, _KV_TOKENS] = kv_tokens
         keep = seconds > 0
-        rows, seconds = rows[keep], seconds[keep]
+        if not keep.all():
+            kv_tokens, seconds = kv_tokens[keep], seconds[keep]
+        features = StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, sampled=num_seqs).features()
         done, window = 0, len(self._times)
-        while done < len(seconds):  # up to each refit, as one step at a time would
-            take = min(len(seconds) - done, self.refit_every - self._since_fit, window)
-            at = (self._num_samples + np.arange(take)) % window
-            self._features[at] = rows[done:done + take]
-            self._times[at] = seconds[done:done + take]
+        while done < len(seconds):  # up to each refit (and the ring's end), as one step at a time would
+            row = self._num_samples % window
+            take = min(len(seconds) - done, self.refit_every - self._since_fit, window - row)
+            self._features[row:row + take] = features
+            self._features[row:row + take, _KV_TOKENS] = kv_tokens[done:done + take]
+            self._times[row:row + take] = seconds[done:done + take]
             done += take
             self._count(take)
 
@@ -128,17 +129,33 @@ ONLINE_FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "draft
 
 def refit(model: CostModel, features: np.ndarray, times: np.ndarray) -> CostModel:
     """A model of :data:`ONLINE_FEATURES` fitted to steps (rows of :data:`FEATURES` values and their
-    times); a feature they never vary keeps ``model``'s coefficient."""
-    if not len(times):
+    times); a feature they never vary keeps ``model``'s coefficient, and its share of their times."""
+    if not len(times) or _predicts(model, features, times):
         return model
-    varied = [name for name, low, high in zip(FEATURES, features.min(axis=0), features.max(axis=0), strict=True)
-              if name == "const" or (name in ONLINE_FEATURES and high > low)]
+    low, high = features.min(axis=0), features.max(axis=0)
+    varied = [name for name, lo, hi in zip(FEATURES, low, high, strict=True)
+              if name == "const" or (name in ONLINE_FEATURES and hi > lo)]
+    kept = {name: model.coefficients.get(name, 0.0) for name in ONLINE_FEATURES}
+    # A feature held at one value costs every step alike, as the constant term does: fitted with it,
+    # that term would learn its share a second time (a decode-only window at one batch size would
+    # then price every decode twice).
+    held = sum(kept[name] * low[i] for i, name in enumerate(FEATURES) if name in kept and name not in varied)
     try:
-        fitted, _ = fit_features(features, times, features=varied)
+        fitted, _ = fit_features(features, times, features=varied, offset=held)
     except ValueError:  # too few samples for the features, or a fit that did not converge
         return model
-    kept = {name: model.coefficients.get(name, 0.0) for name in ONLINE_FEATURES}
     return CostModel({**kept, **fitted.coefficients}, {**model.metadata, "source": "refitted while running"})
 
 
+def _predicts(model: CostModel, features: np.ndarray, times: np.ndarray) -> bool:
+    """Whether ``model``, already of the online fit's form, predicts every step's time (to rounding):
+    a refit could only trade weight between features the steps move together (the simulator's times
+    are exact, and most of its windows are such)."""
+    if not model.coefficients.keys() <= _ONLINE:
+        return False
+    coefficients = np.array([model.coefficients.get(name, 0.0) for name in FEATURES])
+    return bool((np.abs(features @ coefficients - times) <= 1e-9 * times).all())
+
+
+_ONLINE = frozenset(ONLINE_FEATURES)
 _KV_TOKENS = FEATURES.index("kv_tokens")

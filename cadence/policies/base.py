@@ -32,6 +32,7 @@ step budget, which could never run otherwise.
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -98,9 +99,7 @@ class SchedulingPolicy(abc.ABC):
         """``bulk_decodes``, as said by a class whose decode hooks this policy still runs: a subclass
         that overrides ``order_running``, ``num_tokens`` or ``on_scheduled`` without saying it again
         runs its steps one by one."""
-        cls = type(self)
-        said = next(c for c in cls.__mro__ if "bulk_decodes" in c.__dict__)
-        return cls.bulk_decodes and all(getattr(cls, hook) is getattr(said, hook) for hook in _DECODE_HOOKS)
+        return _decodes_in_bulk(type(self))
 
     @classmethod
     def accepted_options(cls) -> Mapping[str, str]:
@@ -259,6 +258,12 @@ class SchedulingPolicy(abc.ABC):
 
 
 _DECODE_HOOKS = ("order_running", "num_tokens", "on_scheduled")  # what bulk_decodes vouches for
+
+
+@functools.cache  # asked before every simulated step
+def _decodes_in_bulk(cls: type[SchedulingPolicy]) -> bool:
+    said = next(c for c in cls.__mro__ if "bulk_decodes" in c.__dict__)
+    return cls.bulk_decodes and all(getattr(cls, hook) is getattr(said, hook) for hook in _DECODE_HOOKS)
 
 
 def _is_prefilling(request: RequestView) -> bool:

@@ -121,8 +121,9 @@ def commit(run: DecodeRun, start: int, stop: int, scheduler: Scheduler, tracker:
         calls.extend((step, i) for step in range(_first(start, 1 - length, block_size), stop, block_size))
         if allocator.enable_prefix_caching:  # step j fills a block where its position ends one
             calls.extend((step, i) for step in range(_first(start, -length, block_size), stop, block_size))
+    group = allocator.groups[0]  # the only one, without a window (the plan checked)
     for step, i in sorted(set(calls)):  # step j computes position length + j - 1: slots up to length + j
-        if allocator.grow(run.requests[i], lengths[i] + step) is None:
+        if group.grow(run.requests[i], lengths[i] + step) is None:
             raise RuntimeError(f"a planned decode run found no free block for {run.requests[i].request_id!r}")
     for request, length in zip(run.requests, lengths, strict=True):
         request.num_computed_tokens = length - 1 + stop

@@ -156,14 +156,13 @@ class SimEngine:
         for request in run.requests:
             chunk_times[request.request_id].frombytes(ends)
             num_tokens[request.request_id] += stop - start
-        n, preemptions = len(run.requests), self.scheduler.num_preemptions
+        n = len(run.requests)
         usage = 1.0 - run.free_blocks[start:stop] / (self.scheduler.allocator.num_blocks - 1)
-        same = np.ones(stop - start, dtype=np.int64)
         self.steps.extend_columns({
-            "start": run.starts[start:stop], "duration": run.durations[start:stop], "num_seqs": n * same,
-            "num_tokens": n * same, "prefill_tokens": 0 * same, "decode_seqs": n * same,
-            "kv_tokens": run.kv_tokens[start:stop], "num_running": n * same, "num_waiting": 0 * same,
-            "kv_usage": usage, "num_preemptions": preemptions * same, "engine": self.rank * same})
+            "start": run.starts[start:stop], "duration": run.durations[start:stop], "num_seqs": n, "num_tokens": n,
+            "prefill_tokens": 0, "decode_seqs": n, "kv_tokens": run.kv_tokens[start:stop], "num_running": n,
+            "num_waiting": 0, "kv_usage": usage, "num_preemptions": self.scheduler.num_preemptions,
+            "engine": self.rank}, stop - start)
 
 
 class RunLoop:

@@ -4,9 +4,9 @@ of steps, which as objects (about 250 bytes each) would not fit in memory; as co
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 
@@ -38,18 +38,25 @@ class StepLog(Sequence[StepRecord]):
     """Steps in the order they were added, each read back as a :class:`StepRecord`."""
 
     def __init__(self) -> None:
-        self._columns = {name: array(code) for name, code in _CODES.items()}
+        self._columns: dict[str, array[Any]] = {name: array(code) for name, code in _CODES.items()}
 
     def append(self, record: StepRecord) -> None:
         for name, column in self._columns.items():
             column.append(getattr(record, name))
 
-    def extend_columns(self, columns: dict[str, np.ndarray]) -> None:
-        """Add steps given as one array per field (every field, all of one length)."""
-        if columns.keys() != self._columns.keys() or len({len(c) for c in columns.values()}) > 1:
-            raise ValueError("need one array per step field, all of one length")
+    def extend_columns(self, columns: Mapping[str, np.ndarray | float], num: int) -> None:
+        """Add ``num`` steps given field by field (every field): an array of ``num`` values, or one
+        value they all share."""
+        if columns.keys() != self._columns.keys():
+            raise ValueError(f"need every step field, got {sorted(columns)}")
         for name, column in self._columns.items():
-            column.frombytes(np.ascontiguousarray(columns[name], dtype=column.typecode).tobytes())
+            values = columns[name]
+            if isinstance(values, np.ndarray):
+                if len(values) != num:
+                    raise ValueError(f"{name}: {len(values)} values for {num} steps")
+                column.frombytes(np.ascontiguousarray(values, dtype=column.typecode).data.cast("B"))
+            else:
+                column.extend(array(column.typecode, (values,)) * num)
 
     def column(self, name: str) -> np.ndarray:
         """One field of every step (a read-only view, no copy)."""
@@ -65,7 +72,7 @@ class StepLog(Sequence[StepRecord]):
         columns = {name: np.concatenate([log.column(name) for log in logs]) for name in _CODES}
         order = np.lexsort((columns["engine"], columns["start"]))
         log = cls()
-        log.extend_columns({name: values[order] for name, values in columns.items()})
+        log.extend_columns({name: values[order] for name, values in columns.items()}, len(order))
         return log
 
     def __len__(self) -> int:

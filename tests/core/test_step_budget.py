@@ -74,6 +74,20 @@ def test_refit_learns_the_running_costs_and_keeps_what_it_never_saw() -> None:
     assert refit(LINEAR, np.zeros((0, len(FEATURES))), np.zeros(0)) is LINEAR
 
 
+def test_a_window_at_one_batch_size_keeps_the_decodes_price_without_counting_it_twice() -> None:
+    """Decodes at one batch size (a steady load): their cost per request is held, not learnt, and the
+    constant term must not learn it again, or every later decode step is priced twice."""
+    truth = CostModel({"const": 0.006, "decode_seqs": 1e-3, "kv_tokens": 2e-6, "prefill_tokens": 7e-4})
+    steady = _timed(truth, [_shape(0, 5, 200 + j) for j in range(64)])
+    fitted = refit(truth, *steady)
+    for shape in (_shape(0, 5, 200), _shape(0, 5, 900), _shape(0, 9, 300), _shape(64, 5, 300)):
+        assert fitted.step_time(shape) == pytest.approx(truth.step_time(shape), rel=1e-9)
+    # Prefills at one chunk size beside varied decodes: the chunk's share is held the same way.
+    chunks = _timed(truth, [_shape(32, d, 100) for d in (1, 2, 4, 8, 16)])
+    assert refit(truth, *chunks).step_time(_shape(32, 3, 100)) == pytest.approx(
+        truth.step_time(_shape(32, 3, 100)), rel=1e-9)
+
+
 def test_observing_decodes_in_bulk_is_observing_them_in_turn() -> None:
     truth = CostModel({"const": 0.004, "decode_seqs": 7e-4, "kv_tokens": 3e-7, "prefill_tokens": 1e-4})
     one_by_one, bulk = (StepBudget(0.05, CostModel.default(), window=16, refit_every=8) for _ in range(2))

@@ -1,0 +1,39 @@
+"""The simulator's step log: steps kept as typed columns, added one by one or many at once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cadence.sim.step_log import StepLog, StepRecord
+
+
+def _record(start: float, engine: int = 0) -> StepRecord:
+    return StepRecord(start, 0.25, 3, 3, 0, 3, 96, 3, 0, 0.5, 1, engine)
+
+
+def test_steps_added_as_columns_read_back_as_the_same_records() -> None:
+    one_by_one, in_bulk = StepLog(), StepLog()
+    for start in (0.0, 0.25, 0.5):
+        one_by_one.append(_record(start))
+    in_bulk.extend_columns({"start": np.array([0.0, 0.25, 0.5]), "duration": 0.25, "num_seqs": 3, "num_tokens": 3,
+                            "prefill_tokens": 0, "decode_seqs": 3, "kv_tokens": np.full(3, 96), "num_running": 3,
+                            "num_waiting": 0, "kv_usage": np.full(3, 0.5), "num_preemptions": 1, "engine": 0}, 3)
+    assert in_bulk == one_by_one and len(in_bulk) == 3
+    assert in_bulk[1] == _record(0.25) and in_bulk[1:] == [_record(0.25), _record(0.5)]
+
+
+def test_a_merged_log_orders_steps_by_start_then_engine() -> None:
+    first, second = StepLog(), StepLog()
+    for start in (0.0, 1.0):
+        first.append(_record(start, engine=0))
+    second.append(_record(0.0, engine=1))
+    assert [(r.start, r.engine) for r in StepLog.merged([second, first])] == [(0.0, 0), (0.0, 1), (1.0, 0)]
+
+
+def test_columns_must_name_every_field_and_match_the_count() -> None:
+    fields = dict.fromkeys(StepRecord.__slots__, 0)
+    with pytest.raises(ValueError, match="need every step field"):
+        StepLog().extend_columns({name: v for name, v in fields.items() if name != "engine"}, 1)
+    with pytest.raises(ValueError, match="start: 2 values for 3 steps"):
+        StepLog().extend_columns(fields | {"start": np.zeros(2)}, 3)
