@@ -191,6 +191,7 @@ class RunLoop:
         for engine in self.engines:
             engine.dashboard = dashboard
         self._loads = [0] * len(self.engines)  # each engine's unfinished requests, kept as they change
+        self._observes_caches = router is not None and router.observes_prefix_caches
 
     @property
     def steps(self) -> list[StepLog]:
@@ -223,8 +224,9 @@ class RunLoop:
                     self._tell_before(request, now)
                     engine = self._route(request)
                     if engine.in_run:  # the request joins at the next step's start
-                        engine.catch_up(now, self.chunk_times, self.num_tokens)
-                        self._tell_router(engine)
+                        if self._observes_caches:  # the steps that ended first: the router hears them now
+                            engine.catch_up(now, self.chunk_times, self.num_tokens)
+                            self._tell_router(engine)
                         heapq.heappush(ends, (engine.cut(now, self.chunk_times, self.num_tokens), engine.rank,
                                               engine.generation))
                     engine.scheduler.add_request(request)
@@ -257,7 +259,7 @@ class RunLoop:
         steps ended before ``now`` changed: a run's block takes evict cached blocks (known when it was
         planned), and its fills cache blocks of generated tokens, which only a prompt holding the
         simulated token can match."""
-        if self.router is None or not self.router.observes_prefix_caches:
+        if not self._observes_caches:
             return
         running = [engine for engine in self.engines if engine.in_run]
         if not running:
@@ -273,7 +275,7 @@ class RunLoop:
                 self._tell_router(engine)
 
     def _tell_router(self, engine: SimEngine) -> None:
-        if self.router is not None and self.router.observes_prefix_caches:
+        if self._observes_caches:
             delta = fold_kv_events(engine.scheduler.allocator.take_events())
             if delta is not None:
                 self.router.apply(engine.rank, delta)
