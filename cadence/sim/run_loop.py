@@ -259,7 +259,7 @@ class RunLoop:
         steps ended before ``now`` changed: a run's block takes evict cached blocks (known when it was
         planned), and its fills cache blocks of generated tokens, which only a prompt holding the
         simulated token can match."""
-        if not self._observes_caches:
+        if self.router is None or not self.router.observes_prefix_caches:
             return
         running = [engine for engine in self.engines if engine.in_run]
         if not running:
@@ -275,7 +275,7 @@ class RunLoop:
                 self._tell_router(engine)
 
     def _tell_router(self, engine: SimEngine) -> None:
-        if self._observes_caches:
+        if self.router is not None and self.router.observes_prefix_caches:
             delta = fold_kv_events(engine.scheduler.allocator.take_events())
             if delta is not None:
                 self.router.apply(engine.rank, delta)

@@ -88,6 +88,20 @@ def test_a_window_at_one_batch_size_keeps_the_decodes_price_without_counting_it_
         truth.step_time(_shape(32, 3, 100)), rel=1e-9)
 
 
+def test_a_model_of_the_online_form_that_predicts_every_step_is_kept_as_it_is() -> None:
+    online = CostModel({"const": 0.006, "decode_seqs": 1e-3, "kv_tokens": 2e-6, "prefill_tokens": 7e-4})
+    steps = _timed(online, [_shape(p, d, 100 + d) for p in (0, 48) for d in (1, 3, 6)])
+    assert refit(online, *steps) is online
+    # One step off by a thousandth: refitted.
+    features, times = steps
+    assert refit(online, features, times * np.r_[1.001, np.ones(len(times) - 1)]) is not online
+    # The built-in model prices features the online fit has not: it gives way to the first refit even
+    # on steps it predicts exactly.
+    builtin = CostModel.default()
+    refitted = refit(builtin, *_timed(builtin, [_shape(p, d, 100 + d) for p in (0, 48) for d in (1, 3, 6)]))
+    assert set(refitted.coefficients) == set(ONLINE_FEATURES)
+
+
 def test_observing_decodes_in_bulk_is_observing_them_in_turn() -> None:
     truth = CostModel({"const": 0.004, "decode_seqs": 7e-4, "kv_tokens": 3e-7, "prefill_tokens": 1e-4})
     one_by_one, bulk = (StepBudget(0.05, CostModel.default(), window=16, refit_every=8) for _ in range(2))
