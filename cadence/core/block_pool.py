@@ -48,6 +48,13 @@ def block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, num_bl
         yield parent
 
 
+def prompt_block_hashes(prompt_token_ids: list[int] | tuple[int, ...], block_size: int,
+                        cache_salt: str | None = None) -> Iterator[int]:
+    """The keys of a prompt's blocks that a prefix-cache lookup may hit: every full block but one
+    that ends the prompt (its last token is always computed, to sample from)."""
+    return block_hashes(prompt_token_ids, block_size, (len(prompt_token_ids) - 1) // block_size, cache_salt)
+
+
 class KVRequest(Protocol):
     """The part of a request the allocator reads; :class:`cadence.request.RequestView` has it."""
 

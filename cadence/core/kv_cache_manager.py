@@ -83,8 +83,7 @@ class KVCacheManager(PoolViews):
         if (len(self.groups) == 1 and group.sliding_window is None and num_new_tokens >= 0
                 and len(computed_block_ids) in (0, 1) and not any(computed_block_ids)
                 and not num_computed_hit_tokens and group.holds(request.request_id)):
-            new_ids = group.grow(request, request.num_computed_tokens + num_new_tokens)  # the common case, unplanned
-            return None if new_ids is None else [new_ids]
+            return self.grow(request, request.num_computed_tokens + num_new_tokens)  # the common case, unplanned
         hits = computed_block_ids or [()] * len(self.groups)
         if len(hits) != len(self.groups):
             raise ValueError(f"{len(hits)} lists of hit blocks for {len(self.groups)} KV cache groups")

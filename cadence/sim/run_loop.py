@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from cadence.bench.metrics import RequestRecord
-from cadence.core.block_pool import block_hashes
+from cadence.core.block_pool import prompt_block_hashes
 from cadence.core.kv_events import fold_kv_events
 from cadence.core.scheduler import Scheduler
 from cadence.engine.routers.base import Router
@@ -191,7 +191,8 @@ class RunLoop:
         for engine in self.engines:
             engine.dashboard = dashboard
         self._loads = [0] * len(self.engines)  # each engine's unfinished requests, kept as they change
-        self._observes_caches = router is not None and router.observes_prefix_caches
+        # The router that follows the prefix caches (and so must hear the engines' KV events), if any.
+        self._cache_router = router if router is not None and router.observes_prefix_caches else None
 
     @property
     def steps(self) -> list[StepLog]:
@@ -224,7 +225,7 @@ class RunLoop:
                     self._tell_before(request, now)
                     engine = self._route(request)
                     if engine.in_run:  # the request joins at the next step's start
-                        if self._observes_caches:  # the steps that ended first: the router hears them now
+                        if self._cache_router is not None:  # the steps that ended first: it hears them now
                             engine.catch_up(now, self.chunk_times, self.num_tokens)
                             self._tell_router(engine)
                         heapq.heappush(ends, (engine.cut(now, self.chunk_times, self.num_tokens), engine.rank,
@@ -259,26 +260,25 @@ class RunLoop:
         steps ended before ``now`` changed: a run's block takes evict cached blocks (known when it was
         planned), and its fills cache blocks of generated tokens, which only a prompt holding the
         simulated token can match."""
-        if self.router is None or not self.router.observes_prefix_caches:
+        router = self._cache_router
+        if router is None:
             return
         running = [engine for engine in self.engines if engine.in_run]
         if not running:
             return
         prompt = request.prompt_token_ids
         anything = SIMULATED_TOKEN_ID in prompt
-        hashes = [] if anything else list(block_hashes(prompt, self.router.context.block_size,
-                                                       (len(prompt) - 1) // self.router.context.block_size,
-                                                       request.cache_salt))
+        hashes = [] if anything else list(prompt_block_hashes(prompt, router.context.block_size, request.cache_salt))
         for engine in running:
             if anything or engine.evicts_before(hashes, now):
                 engine.catch_up(now, self.chunk_times, self.num_tokens)
                 self._tell_router(engine)
 
     def _tell_router(self, engine: SimEngine) -> None:
-        if self.router is not None and self.router.observes_prefix_caches:
+        if self._cache_router is not None:
             delta = fold_kv_events(engine.scheduler.allocator.take_events())
             if delta is not None:
-                self.router.apply(engine.rank, delta)
+                self._cache_router.apply(engine.rank, delta)
 
     def _request(self, index: int) -> Request:
         spec = self.specs[index]
