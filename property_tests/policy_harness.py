@@ -26,7 +26,7 @@ from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.clock import VirtualClock
 from cadence.policies.loader import load_policy
-from cadence.request import Request
+from cadence.request import Request, RequestStatus
 from cadence.sampling_params import SamplingParams
 
 EOS = 0
@@ -126,7 +126,7 @@ def run(scheduler: Scheduler, workload: list[Arrival], seed: int = 0, eos_rate: 
             scheduler.add_request(request)
         for index, arrival in enumerate(workload):
             if arrival.abort_at == step and str(index) in scheduler.requests:
-                for output in scheduler.abort_requests([str(index)]):
+                for output in scheduler.finish_requests([str(index)], RequestStatus.FINISHED_ABORTED):
                     _record_finish(trace, output.request_id, output.finish_reason)
         waiting_before = [r.request_id for r in scheduler.waiting]
         out = scheduler.schedule()

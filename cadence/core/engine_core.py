@@ -32,6 +32,7 @@ from cadence.models.loader import load_hf_config, load_tokenizer
 from cadence.policies.base import PolicyContext
 from cadence.policies.clock import WallClock
 from cadence.policies.loader import load_policy
+from cadence.request import RequestStatus
 from cadence.runtime.actor import Mailbox
 
 
@@ -94,7 +95,7 @@ class EngineCore:
 
     def abort_all(self) -> None:
         """Finish every request still in the scheduler (a run ended with requests unfinished)."""
-        self.scheduler.abort_requests(list(self.scheduler.requests))
+        self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
 
     def shutdown(self) -> None:
         """Stop the workers (their processes or actors, under the mp and ray executors)."""

@@ -87,15 +87,16 @@ class Scheduler:
         if self.trace is not None:
             self.trace.arrival(request, self._step_id + 1, self.policy.now())
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        """Finish these requests as aborted; unknown or already finished ids are ignored."""
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[EngineCoreOutput]:
+        """Finish these requests, in turn, with ``status`` (aborted; at their length after a bulk run's
+        last step, ``sim/decode_run.py``); unknown or already finished ids are ignored."""
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
-            outputs.append(EngineCoreOutput(request_id, [], finish_reason="abort"))
+            self._finish(request, status)
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason=status.finish_reason))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -37,7 +37,7 @@ from cadence.messages import (
     SchedulerInbox,
     SchedulerStats,
 )
-from cadence.request import Request
+from cadence.request import Request, RequestStatus
 from cadence.runtime.actor import UNBOUNDED, Actor, Mailbox
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,8 @@ class SchedulerActor(Actor[SchedulerInbox]):
         if isinstance(message, EngineCoreRequest):
             self._add(message)
         elif isinstance(message, AbortRequests):
-            self._pending.extend(self.scheduler.abort_requests(message.request_ids))
+            aborted = self.scheduler.finish_requests(message.request_ids, RequestStatus.FINISHED_ABORTED)
+            self._pending.extend(aborted)
         else:
             raise TypeError(f"engine core got an unexpected {type(message).__name__} outside a step")
 

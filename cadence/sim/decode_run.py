@@ -3,11 +3,12 @@
 When nothing waits on an engine and every running request decodes (one token a step, ending only by
 length), its next steps differ only in their contexts, each a token longer than in the step before:
 their shapes, times, block allocations and tokens follow from the requests' lengths. A
-:class:`DecodeRun` plans such steps up to the one that would finish a request or find no free block,
-and commits its steps in stretches, each at once, leaving what the steps one by one would have left:
-the requests' tokens and computed counts, the allocator calls that do work (a block taken, a block
-filled and cached; at every other step ``allocate`` changes nothing), the runner's counts, the step
-budget's samples, the step records and the chunk times. A request that arrives at the engine cuts
+:class:`DecodeRun` plans such steps up to the one that finishes a request (at its length) or the one
+before a step that would find no free block, and commits its steps in stretches, each at once,
+leaving what the steps one by one would have left: the requests' tokens and computed counts, the
+allocator calls that do work (a block taken, a block filled and cached; at every other step
+``allocate`` changes nothing), the runner's counts, the step budget's samples, the step records and
+the chunk times, and at the last step's end the finishes. A request that arrives at the engine cuts
 the run: the steps that began before it stand. Where the KV events are recorded (for a router that
 follows the prefix caches), the run knows which cached hashes its block takes evict and at which
 step, so a router can be told them before an arrival they could matter to. docs/research.md,
@@ -22,7 +23,8 @@ import numpy as np
 
 from cadence.core.cost_model import CostModel, StepShape
 from cadence.core.scheduler import Scheduler
-from cadence.request import Request
+from cadence.messages import EngineCoreOutput
+from cadence.request import Request, RequestStatus
 from cadence.sim.runner import SIMULATED_TOKEN_ID, ShapeTracker
 
 _MIN_STEPS = 2  # a shorter run saves nothing over a step
@@ -74,8 +76,8 @@ def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max
     # prompt holds (a prompt whose last token is still to compute could fill a block of its own).
     if any(r.num_tokens - r.num_computed_tokens != 1 or not r.num_output_tokens for r in running):
         return None
-    # The step that finishes the first request is a step of its own (it frees blocks, tells the router).
-    num_steps = min(min(r.max_tokens - r.num_output_tokens for r in running) - 1, max_steps)
+    # Up to the step that finishes the first request (its finish is applied at the run's end).
+    num_steps = min(min(r.max_tokens - r.num_output_tokens for r in running), max_steps)
     if num_steps < _MIN_STEPS or not all(_ends_by_length(r) for r in running):
         return None
     requests = [scheduler.requests[view.request_id] for view in scheduler.policy.order_running(running)]
@@ -106,10 +108,12 @@ def _ends_by_length(request: Request) -> bool:
         params.ignore_eos or request.eos_token_id != SIMULATED_TOKEN_ID)
 
 
-def commit(run: DecodeRun, start: int, stop: int, scheduler: Scheduler, tracker: ShapeTracker) -> None:
+def commit(run: DecodeRun, start: int, stop: int, scheduler: Scheduler, tracker: ShapeTracker,
+           ) -> list[EngineCoreOutput]:
     """Leave ``scheduler`` (its requests, allocator and step budget) and the runner's ``tracker`` as
-    the run's steps ``start`` to ``stop`` (exclusive, those before committed) one by one would; the
-    caller records the steps and tokens."""
+    the run's steps ``start`` to ``stop`` (exclusive, those before committed) one by one would, as of
+    the end of step ``stop - 1``; the outputs of the requests that step finishes (the run's last step
+    may). The caller records the steps and tokens."""
     allocator = scheduler.allocator
     block_size = allocator.block_size
     new_tokens = [SIMULATED_TOKEN_ID] * (stop - start)
@@ -131,6 +135,10 @@ def commit(run: DecodeRun, start: int, stop: int, scheduler: Scheduler, tracker:
         scheduler.step_budget.observe_decodes(len(run.requests), run.kv_tokens[start:stop], run.durations[start:stop])
     finished = scheduler.advance_decodes(stop - start, run.shape(stop - 1))
     tracker.advance_decodes([r.request_id for r in run.requests], stop - start, finished)
+    if stop < run.num_steps:
+        return []
+    return scheduler.finish_requests([r.request_id for r in run.requests if r.num_output_tokens >= r.max_tokens],
+                                     RequestStatus.FINISHED_LENGTH)
 
 
 def _first(start: int, residue: int, block_size: int) -> int:

@@ -26,7 +26,7 @@ from cadence.core.block_pool import prompt_block_hashes
 from cadence.core.kv_events import fold_kv_events
 from cadence.core.scheduler import Scheduler
 from cadence.engine.routers.base import Router
-from cadence.messages import ModelRunnerOutput, SchedulerOutput
+from cadence.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from cadence.policies.clock import VirtualClock
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams
@@ -94,7 +94,9 @@ class SimEngine:
                finish_reasons: dict[str, str]) -> None:
         """Apply the running step's outputs at its end (a chunk may carry several tokens: speculation)."""
         if self._run is not None:
-            self._commit(self._run.num_steps, chunk_times, num_tokens)
+            for output in self._commit(self._run.num_steps, chunk_times, num_tokens):
+                if output.finish_reason is not None:
+                    finish_reasons[output.request_id] = output.finish_reason
             self._run = None
         if self._result is None:  # a run, committed now or when it was cut
             self.busy_until = None
@@ -114,9 +116,11 @@ class SimEngine:
             self.dashboard.step_finished(self.rank, self.scheduler, outputs, now)
 
     def catch_up(self, time: float, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> None:
-        """Apply the steps of the run (if one is going) that ended before ``time``; it goes on."""
-        if self._run is not None:
-            self._commit(self._run.steps_ended_before(time), chunk_times, num_tokens)
+        """Apply the steps of the run (if one is going) that ended before ``time``; it goes on (its last
+        step, whose end is the run's, is applied by :meth:`finish`)."""
+        run = self._run
+        if run is not None:
+            self._commit(min(run.steps_ended_before(time), run.num_steps - 1), chunk_times, num_tokens)
 
     def evicts_before(self, hashes: Iterable[int], time: float) -> bool:
         """Whether a step of the run not applied yet, ended before ``time``, evicted one of ``hashes``."""
@@ -131,27 +135,32 @@ class SimEngine:
         """Whether a run of decode-only steps is going (its KV events are told as its steps are applied)."""
         return self._run is not None
 
-    def cut(self, time: float, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> float:
+    def cut(self, time: float, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> float | None:
         """Before a request that arrives at ``time`` joins: end the run after the steps begun by then
         (their outputs applied; call :meth:`catch_up` first for those that ended, whose KV events a
-        router must hear now); the end of the last of those."""
+        router must hear now); the end of the last of those. None when all had begun: the run goes
+        on, and the request joins after it as after a cut."""
         run = self._run
         assert run is not None
         num_steps = run.steps_begun_before(time)
+        if num_steps == run.num_steps:
+            return None
         self._commit(num_steps, chunk_times, num_tokens)
         self._run = None
         self.busy_until = float(run.starts[num_steps])
         self.generation += 1
         return self.busy_until
 
-    def _commit(self, stop: int, chunk_times: dict[str, array[float]], num_tokens: dict[str, int]) -> None:
-        """Apply the run's steps up to ``stop`` (exclusive) from the first not applied yet."""
+    def _commit(self, stop: int, chunk_times: dict[str, array[float]], num_tokens: dict[str, int],
+                ) -> list[EngineCoreOutput]:
+        """Apply the run's steps up to ``stop`` (exclusive) from the first not applied yet; the outputs
+        of the requests that finish."""
         run, start = self._run, self._done
         assert run is not None
         if stop <= start:
-            return
+            return []
         self._done = stop
-        commit(run, start, stop, self.scheduler, self.runner.tracker)
+        finished = commit(run, start, stop, self.scheduler, self.runner.tracker)
         ends = run.starts[start + 1:stop + 1].tobytes()
         for request in run.requests:
             chunk_times[request.request_id].frombytes(ends)
@@ -163,6 +172,7 @@ class SimEngine:
             "prefill_tokens": 0, "decode_seqs": n, "kv_tokens": run.kv_tokens[start:stop], "num_running": n,
             "num_waiting": 0, "kv_usage": usage, "num_preemptions": self.scheduler.num_preemptions,
             "engine": self.rank}, stop - start)
+        return finished
 
 
 class RunLoop:
@@ -228,8 +238,9 @@ class RunLoop:
                         if self._cache_router is not None:  # the steps that ended first: it hears them now
                             engine.catch_up(now, self.chunk_times, self.num_tokens)
                             self._tell_router(engine)
-                        heapq.heappush(ends, (engine.cut(now, self.chunk_times, self.num_tokens), engine.rank,
-                                              engine.generation))
+                        end = engine.cut(now, self.chunk_times, self.num_tokens)
+                        if end is not None:
+                            heapq.heappush(ends, (end, engine.rank, engine.generation))
                     engine.scheduler.add_request(request)
                     self._loads[engine.rank] = engine.load
                     if engine.busy_until is None and engine not in started:

@@ -269,13 +269,13 @@ def test_abort_of_waiting_and_running_requests() -> None:
     scheduler.add_request(request("b", toks(200, 6)))  # does not fit the 2 left: waits
     assert step(scheduler).scheduled == [("a", 6)]
     assert scheduler.allocator.num_free_blocks == 30
-    outputs = scheduler.abort_requests(["b", "unknown", "a"])
+    outputs = scheduler.finish_requests(["b", "unknown", "a"], RequestStatus.FINISHED_ABORTED)
     assert outputs == [EngineCoreOutput("b", [], finish_reason="abort"),
                        EngineCoreOutput("a", [], finish_reason="abort")]
     assert scheduler.requests == {} and scheduler.running == [] and not scheduler.waiting
     assert scheduler.allocator.num_free_blocks == 32
     check_accounting(scheduler)
-    assert scheduler.abort_requests(["a"]) == []  # already finished
+    assert scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == []  # already finished
     # Only a request the worker holds is reported as finished, and only once.
     assert scheduler.has_work
     out = scheduler.schedule()
@@ -289,7 +289,7 @@ def test_tokens_of_a_request_aborted_while_its_step_ran_are_dropped() -> None:
     scheduler.add_request(request("a", toks(100, 3)))
     scheduler.add_request(request("b", toks(200, 3)))
     out = scheduler.schedule()
-    scheduler.abort_requests(["a"])
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     outputs = scheduler.update_from_output(ModelRunnerOutput(out.step_id, ["a", "b"], [5, 6]))
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [("b", [6])]
     check_accounting(scheduler)

@@ -48,9 +48,9 @@ def _run(scheduler: Scheduler, max_steps: int = 10**6) -> DecodeRun:
     return run
 
 
-def test_a_run_ends_before_the_step_that_finishes_its_first_request() -> None:
+def test_a_run_ends_with_the_step_that_finishes_its_first_request() -> None:
     run = _run(_decoding([10, 7], [40, 25]))
-    assert run.num_steps == 25 - 1 - 1  # one token sampled at the prefill; the last step finishes r1
+    assert run.num_steps == 25 - 1  # one token sampled at the prefill; the last step finishes r1
     assert [r.request_id for r in run.requests] == ["r0", "r1"]
     assert run.starts[0] == 1.5 and np.all(run.starts[1:] == run.starts[:-1] + run.durations)  # end = start + duration
     assert _run(_decoding([10, 7], [40, 25]), max_steps=5).num_steps == 5
@@ -58,12 +58,12 @@ def test_a_run_ends_before_the_step_that_finishes_its_first_request() -> None:
 
 def test_each_step_of_a_run_is_priced_as_its_shape_is_one_by_one() -> None:
     run = _run(_decoding([10, 7, 30], [40, 25, 60]))
-    shapes = [StepShape(num_seqs=3, decode_seqs=3, kv_tokens=11 + 8 + 31 + 3 * j, sampled=3) for j in range(23)]
-    assert [run.shape(j) for j in range(23)] == shapes
+    shapes = [StepShape(num_seqs=3, decode_seqs=3, kv_tokens=11 + 8 + 31 + 3 * j, sampled=3) for j in range(24)]
+    assert [run.shape(j) for j in range(24)] == shapes
     assert run.durations.tolist() == [COSTS.step_time(s) for s in shapes]  # bit for bit
     assert run.free_blocks.tolist() == [
         64 - 1 - 3 - 2 - 8 - sum(((length + j) % 4 == 1) for length in (11, 8, 31) for j in range(k + 1))
-        for k in range(23)]
+        for k in range(24)]
 
 
 def test_a_run_stops_before_the_step_that_finds_no_free_block() -> None:
@@ -78,7 +78,7 @@ def test_a_run_stops_before_the_step_that_finds_no_free_block() -> None:
 
 @pytest.mark.parametrize("why", ["waiting", "fair", "trace", "one step left"])
 def test_no_run_where_a_step_needs_the_scheduler_or_its_hooks(why: str) -> None:
-    scheduler = _decoding([10, 7], [40, 3 if why == "one step left" else 25], "fair" if why == "fair" else "fcfs")
+    scheduler = _decoding([10, 7], [40, 2 if why == "one step left" else 25], "fair" if why == "fair" else "fcfs")
     if why == "waiting":
         scheduler.add_request(Request("late", [1, 2, 3], SamplingParams(max_tokens=4), None, 0.0, 256))
     if why == "trace":
@@ -90,8 +90,8 @@ def test_simulate_takes_a_lone_decode_in_one_run_and_an_arrival_cuts_it_at_the_n
     step = CostModel.constant(0.01)
     with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
         alone = simulate([RequestSpec(0.0, 10, 50)], LIMITS, "fcfs", step)
-    # The prefill, 48 decodes in one run, and the step that finishes.
-    assert [c.args[1:3] for c in bulk.call_args_list] == [(0, 48)] and alone.num_steps == 50
+    # The prefill, then 49 decodes in one run, the last of which finishes the request.
+    assert [c.args[1:3] for c in bulk.call_args_list] == [(0, 49)] and alone.num_steps == 50
     assert alone.records[0].chunk_times == pytest.approx([0.01 * (i + 1) for i in range(50)])
     late = [RequestSpec(0.0, 10, 50, request_id="a"), RequestSpec(0.1234, 4, 5, request_id="b")]
     with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
@@ -124,7 +124,8 @@ def test_a_prefix_aware_router_hears_of_a_runs_evictions_before_it_routes_a_requ
     assert run(False) == [1]  # c's takes evicted the prefix at 0.61-0.62: d goes by load
     with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
         assert run(True) == [1]
-    assert bulk.call_args_list[0].args[1:3] == (0, 61)  # the run's steps until d's arrival, told first
+    c_run = [call.args[1:3] for call in bulk.call_args_list if call.args[0].requests[0].request_id == "c"]
+    assert c_run[0] == (0, 61)  # c's run's steps until d's arrival, told first
     with mock.patch.object(run_loop.RunLoop, "_tell_before"):  # not told: the router still sees the prefix
         assert run(True) == [0]
 
@@ -158,3 +159,16 @@ def test_a_prompt_whose_last_token_is_still_to_compute_waits_for_its_first_token
     runs = [simulate(workload, limits, "chunked-prefill", CostModel.constant(0.001), engines=2,
                      router="prefix-aware", fast_forward=fast_forward) for fast_forward in (False, True)]
     assert runs[0].steps == runs[1].steps and runs[0].records == runs[1].records
+
+
+def test_an_arrival_during_a_runs_last_step_leaves_the_run_whole_and_joins_after_its_finish() -> None:
+    step = CostModel.constant(0.01)
+    workload = [RequestSpec(0.0, 10, 50, request_id="a"), RequestSpec(0.495, 4, 5, request_id="b")]
+    with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
+        result = simulate(workload, LIMITS, "fcfs", step)
+    # a's run (steps 2-50) had begun its last step, which finishes a, at 0.49: nothing is cut, and b
+    # is prefilled at the run's end, once a has finished.
+    assert [call.args[1:3] for call in bulk.call_args_list][:1] == [(0, 49)]
+    assert result.finish_reasons == {"a": "length", "b": "length"}
+    assert result.records[1].chunk_times[0] == pytest.approx(0.51)
+    assert result.steps == simulate(workload, LIMITS, "fcfs", step, fast_forward=False).steps
