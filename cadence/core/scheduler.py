@@ -88,8 +88,7 @@ class Scheduler:
             self.trace.arrival(request, self._step_id + 1, self.policy.now())
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[EngineCoreOutput]:
-        """Finish these requests, in turn, with ``status`` (aborted; at their length after a bulk run's
-        last step, ``sim/decode_run.py``); unknown or already finished ids are ignored."""
+        """Finish these requests, in turn, with ``status``; unknown or already finished ids are ignored."""
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
