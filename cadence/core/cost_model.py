@@ -180,6 +180,10 @@ class CostModel:
         c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
         return (c[0] + c[2] * num_seqs + c[3] * kv_tokens) + c[6] * num_seqs
 
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """:meth:`step_time` of steps given as rows of :data:`FEATURES` values (to rounding)."""
+        return features @ np.array(self._c)  # type: ignore[attr-defined]
+
     def draft_time(self, shape: StepShape) -> float:
         """The part of :meth:`step_time` a draft model's proposals take."""
         c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
@@ -253,8 +257,8 @@ def fit_cost_model(
         raise ValueError(f"{len(shapes)} shapes but {len(times)} times")
     x = np.array([shape.features() for shape in shapes], dtype=np.float64).reshape(len(shapes), len(FEATURES))
     y = np.asarray(times, dtype=np.float64)
-    model, predicted = fit_features(x, y, features=features, relative=relative, metadata=metadata)
-    return model, _quality(predicted, y)
+    model = CostModel(fit_features(x, y, features=features, relative=relative), dict(metadata or {}))
+    return model, _quality(model.predict(x), y)
 
 
 def fit_features(
@@ -263,12 +267,11 @@ def fit_features(
     *,
     features: Iterable[str] = FEATURES,
     relative: bool = True,
-    metadata: Mapping[str, Any] | None = None,
     offset: float = 0.0,
-) -> tuple[CostModel, np.ndarray]:
-    """:func:`fit_cost_model` of steps given as rows of feature values (:data:`FEATURES` order) and
-    their times; the model and what it predicts for each step. ``offset`` is a part of every step's
-    time already known (features held at known coefficients): ``features`` are fitted to the rest.
+) -> dict[str, float]:
+    """:func:`fit_cost_model`'s coefficients of ``features``, for steps given as rows of feature values
+    (:data:`FEATURES` order) and their times. ``offset`` is a part of every step's time already known
+    (features held at known coefficients): ``features`` are fitted to the rest.
 
     :raises ValueError: with fewer samples than features, a non-positive time, or a fit that does not
         converge.
@@ -296,8 +299,7 @@ def fit_features(
         # steps, and the simulator's times, without noise, get there at once.
         if all(abs(c - p) <= _FIXED_POINT * abs(p) for c, p in zip(coef.tolist(), previous.tolist(), strict=True)):
             break
-    model = CostModel({n: float(c) for n, c in zip(names, coef, strict=True)}, dict(metadata or {}))
-    return model, offset + x @ coef
+    return dict(zip(names, coef.tolist(), strict=True))
 
 
 _NNLS_ITERATIONS = 30  # per feature; SciPy's default, 3, can stop short of a degenerate window's answer

@@ -22,6 +22,7 @@ from cadence.core.scheduling_trace import SchedulingTrace, ranked_path
 from cadence.core.speculation import SpecDecoding
 from cadence.core.step_timing import StepTiming
 from cadence.core.structured_output import StructuredOutputManager
+from cadence.core.warm_up import warm_up
 from cadence.executor import Executor, create_executor
 from cadence.executor.actor import ExecutorActor
 from cadence.executor.base import UniExecutor
@@ -62,6 +63,7 @@ class EngineCore:
         executor = create_executor(config, hf_config)
         # One allocator per KV cache group, as the workers laid out their caches.
         groups = kv_cache_groups_of(hf_config, config.cache.hybrid_kv_cache)
+        warm_up(executor, config, hf_config, groups.windows)
         allocator = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                    windows=groups.windows)
         # Loads the tokenizer and xgrammar only when the first constrained request arrives.

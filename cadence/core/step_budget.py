@@ -37,7 +37,8 @@ class StepBudget:
         self.model = model or CostModel.default()
         self.refit_every = refit_every
         # The last ``window`` steps that ran, as rows of feature values and times (a ring).
-        self._features = np.zeros((window, len(FEATURES)))
+        # Column-major: the refit reads it by feature (each one's range, the fitted columns).
+        self._features = np.zeros((window, len(FEATURES)), order="F")
         self._times = np.zeros(window)
         self._num_samples = 0
         self._since_fit = 0
@@ -141,10 +142,10 @@ def refit(model: CostModel, features: np.ndarray, times: np.ndarray) -> CostMode
     # then price every decode twice).
     held = sum(kept[name] * low[i] for i, name in enumerate(FEATURES) if name in kept and name not in varied)
     try:
-        fitted, _ = fit_features(features, times, features=varied, offset=held)
+        fitted = fit_features(features, times, features=varied, offset=held)
     except ValueError:  # too few samples for the features, or a fit that did not converge
         return model
-    return CostModel({**kept, **fitted.coefficients}, {**model.metadata, "source": "refitted while running"})
+    return CostModel({**kept, **fitted}, {**model.metadata, "source": "refitted while running"})
 
 
 def _predicts(model: CostModel, features: np.ndarray, times: np.ndarray) -> bool:
@@ -153,8 +154,7 @@ def _predicts(model: CostModel, features: np.ndarray, times: np.ndarray) -> bool
     are exact, and most of its windows are such)."""
     if not model.coefficients.keys() <= _ONLINE:
         return False
-    coefficients = np.array([model.coefficients.get(name, 0.0) for name in FEATURES])
-    return bool((np.abs(features @ coefficients - times) <= 1e-9 * times).all())
+    return bool((np.abs(model.predict(features) - times) <= 1e-9 * times).all())
 
 
 _ONLINE = frozenset(ONLINE_FEATURES)
