@@ -326,20 +326,12 @@ QUANTIZATIONS = ("none", "gguf", "int8")
 
 
 def resolve_quantization(quantization: str, gguf_file: str | None, device: str = "cpu") -> str:
-    """``auto`` keeps a GGUF file's quantized types (``gguf``) on a CPU that runs cadence's kernel for
-    them (AVX-512 with VNNI), and runs any other model, or a GGUF one anywhere else (another device, a
-    CPU without the kernel), unquantized: there the weights would be dequantized on every call
-    (measured on a 2-core AVX2 machine: about 2 s a decode step of the default model, docs/quantization.md)."""
+    """``auto`` keeps a GGUF file's quantized types (``gguf``) on the CPU, whose kernel runs them,
+    and runs any other model, or any model on another device (where the weights would be
+    dequantized on every call), unquantized."""
     if quantization != "auto":
         return quantization
-    kernel = torch.device(device).type == "cpu" and _cpu_runs_quant_kernel()
-    return "gguf" if gguf_file is not None and kernel else "none"
-
-
-def _cpu_runs_quant_kernel() -> bool:
-    """Whether this CPU has what the quantized-weight kernel needs (``backends/cpu_kernels.py``: AVX-512;
-    ``quant_linear.cpp``: VNNI), told without building the kernels."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_vnni" in _cpu_flags()
+    return "gguf" if gguf_file is not None and torch.device(device).type == "cpu" else "none"
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -352,14 +344,9 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def _cpu_has_bf16() -> bool:
-    flags = _cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _cpu_flags() -> str:
-    """``/proc/cpuinfo`` (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return f.read()
+            flags = f.read()
     except OSError:
-        return ""
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -64,9 +64,8 @@ class EngineArgs:
         "weights and activations; auto is bf16 where the CPU supports it",
         choices=["auto", "bfloat16", "float32", "float16"]))
     quantization: str = field(default="auto", metadata=_flag(
-        "how weights are kept: auto keeps a .gguf file's quantized types on a CPU with AVX-512 VNNI (gguf) and "
-        "runs other models, or on other machines, in --dtype (none); int8 quantizes the linear layers per "
-        "output channel (docs/quantization.md)",
+        "how weights are kept: auto keeps a .gguf file's quantized types on the CPU (gguf) and runs other "
+        "models in --dtype (none); int8 quantizes the linear layers per output channel (docs/quantization.md)",
         choices=["auto", *QUANTIZATIONS], aliases=["-q"]))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "run the model's layers from Python op by op, not as one C++ call per step (vLLM's flag for its graphs; "

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import cadence.config as config_module
 from cadence.cli import main
 from cadence.config import (
     CacheConfig,
@@ -89,9 +88,7 @@ def test_bad_config_values_raise_config_errors(build: Callable[[], object], mess
         build()
 
 
-def test_auto_quantization_keeps_a_gguf_files_types_on_the_cpu_only(make_tiny_model: Callable[..., Path],
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config_module, "_cpu_runs_quant_kernel", lambda: True)
+def test_auto_quantization_keeps_a_gguf_files_types_on_the_cpu_only(make_tiny_model: Callable[..., Path]) -> None:
     assert resolve_quantization("auto", "m.gguf") == "gguf"
     assert resolve_quantization("auto", "m.gguf", "cuda:0") == "none"  # no kernel there
     assert resolve_quantization("auto", None) == "none"
@@ -101,13 +98,6 @@ def test_auto_quantization_keeps_a_gguf_files_types_on_the_cpu_only(make_tiny_mo
     assert EngineArgs(model=folder, quantization="int8").create_config().model.quantization == "int8"
     with pytest.raises(ConfigError, match=r"give a \.gguf model file"):
         EngineArgs(model=folder, quantization="gguf").create_config()
-
-
-def test_auto_quantization_dequantizes_a_gguf_file_on_a_cpu_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    # There the weights would be dequantized on every call: once, at load, is the fast way.
-    monkeypatch.setattr(config_module, "_cpu_runs_quant_kernel", lambda: False)
-    assert resolve_quantization("auto", "m.gguf") == "none"
-    assert resolve_quantization("gguf", "m.gguf") == "gguf"  # asked for: kept
 
 
 def test_memory_sizes() -> None:

@@ -81,8 +81,7 @@ def test_the_stack_is_the_layer_loop_bit_for_bit(make_tiny_model: Callable[..., 
 @pytest.mark.parametrize("kinds", [[Q.Q4_1], [*QUANTIZED]], ids=["one-format", "mixed-formats"])
 def test_the_stack_runs_gguf_weights_as_the_loop(kinds: list[Q], tmp_path: Path) -> None:
     """A fused q/k/v or gate/up whose parts come in different formats is a stack of matrices."""
-    llm = LLM(model=str(write_tiny_gguf(tmp_path / "tiny.gguf", kinds)), dtype="bfloat16", num_kv_blocks=64,
-              quantization="gguf")
+    llm = LLM(model=str(write_tiny_gguf(tmp_path / "tiny.gguf", kinds)), dtype="bfloat16", num_kv_blocks=64)
     model = llm.engine_core.executor.worker.runner.model
     stacked = [m for m in model.modules() if type(getattr(m, "weight", None)).__name__ == "QuantizedRowStack"]
     assert bool(stacked) == (len(kinds) > 1)

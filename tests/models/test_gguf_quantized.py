@@ -1,10 +1,9 @@
 """GGUF files served with their quantized weights kept (``--quantization gguf``, the default for a
-``.gguf`` model on a CPU with AVX-512 VNNI; asked for here, so that every CPU runs these): every
-tensor cadence keeps quantized is the converted folder's tensor, value for value, for the two real
-models (names mapped, llama's q/k rows un-permuted); a tiny random llama of each GGML type, and one
-mixing them all with float weights, generates its dequantized twin's greedy tokens; the default
-model's Q4_1 file follows the fp32 dequantized model; and the resident size of a quantized model is
-the file's tensor bytes."""
+``.gguf`` model): every tensor cadence keeps quantized is the converted folder's tensor, value for
+value, for the two real models (names mapped, llama's q/k rows un-permuted); a tiny random llama
+of each GGML type, and one mixing them all with float weights, generates its dequantized twin's
+greedy tokens; the default model's Q4_1 file follows the fp32 dequantized model; and the resident
+size of a quantized model is the file's tensor bytes."""
 
 from __future__ import annotations
 
@@ -78,7 +77,8 @@ TINY_PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22], list(range(30, 80)), [100, 20
 def test_a_tiny_gguf_of_each_type_generates_its_dequantized_twins_tokens(
         kinds: list[GGMLQuantizationType], tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", kinds)
-    quantized = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64, quantization="gguf")  # the file's types
+    quantized = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64)  # auto: the file's own types
+    assert quantized.config.model.quantization == "gguf"
     twin = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64, quantization="none")
     assert _greedy(quantized, TINY_PROMPTS, 24) == _greedy(twin, TINY_PROMPTS, 24)
     linears = [m for m in quantized.engine_core.executor.worker.runner.model.modules() if hasattr(m, "weight")
@@ -90,8 +90,8 @@ def test_a_tiny_gguf_of_each_type_generates_its_dequantized_twins_tokens(
 
 def test_tensor_parallel_shards_the_quantized_blocks(tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", [*QUANTIZED, Q.F32])
-    tp1 = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64, quantization="gguf")
-    tp2 = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64, quantization="gguf", tensor_parallel_size=2)
+    tp1 = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64)
+    tp2 = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
     try:
         assert _greedy(tp2, TINY_PROMPTS, 16) == _greedy(tp1, TINY_PROMPTS, 16)
     finally:
@@ -168,7 +168,7 @@ def test_types_without_a_decoder_load_dequantized_with_a_warning(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", [Q.Q4_0])
     monkeypatch.delitem(DECODERS, Q.Q4_0)
-    llm = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64, quantization="gguf")
+    llm = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64)
     assert "tiny.gguf: 15 Q4_0 have no kernel here; those tensors run dequantized" in caplog.text
     twin = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64, quantization="none")
     assert _greedy(llm, TINY_PROMPTS, 8) == _greedy(twin, TINY_PROMPTS, 8)
