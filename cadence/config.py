@@ -327,8 +327,8 @@ QUANTIZATIONS = ("none", "gguf", "int8")
 
 def resolve_quantization(quantization: str, gguf_file: str | None, device: str = "cpu") -> str:
     """``auto`` keeps a GGUF file's quantized types (``gguf``) on the CPU, whose kernel runs them,
-    and runs any other model, or any model on another device (where the weights would be
-    dequantized on every call), unquantized."""
+    and runs any other model, or any model on another device (which has no kernel for them: the
+    weights would be kept twice, quantized and dequantized), unquantized."""
     if quantization != "auto":
         return quantization
     return "gguf" if gguf_file is not None and torch.device(device).type == "cpu" else "none"

@@ -1,5 +1,7 @@
 """Quantized weights in the layout of the CPU kernel (``backends/csrc/quant_linear.cpp``), and the
-linear layer over them: the kernel where it runs, else a torch path that dequantizes per call.
+linear layer over them: the kernel where it runs, else ``F.linear`` over the weight dequantized once,
+on first use, and kept (memory traded for speed: dequantizing on every call ran the default model
+24x slower on a CPU without AVX-512, docs/quantization.md).
 
 Rows go in panels of 16 (one 32-bit lane per row). Per panel and block of input columns, one run of
 bytes holds the 16 rows' float16 scales, their 16 minimums (left out where the block form is
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -28,6 +31,8 @@ import torch.nn.functional as F
 
 from cadence.backends.cpu_kernels import cpu_ops, runs_kernels
 from cadence.quantization.blocks import BlockCodes, concat_rows, symmetric
+
+logger = logging.getLogger(__name__)
 
 LANES = 16
 _GROUP_PANELS = 4
@@ -54,6 +59,21 @@ class QuantizedMatrix:
 
     def to(self, device: torch.device) -> QuantizedMatrix:
         return replace(self, packed=self.packed.to(device))
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight dequantized to ``dtype``, computed on the first call and kept for the later ones."""
+        kept: dict[torch.dtype, torch.Tensor] = self.__dict__.setdefault("_dense", {})  # frozen: no setattr
+        if dtype not in kept:
+            _say_dequantized_once(self.packed.device, dtype)
+            kept[dtype] = dequantize(self, dtype)
+        return kept[dtype]
+
+
+@functools.cache
+def _say_dequantized_once(device: torch.device, dtype: torch.dtype) -> None:
+    logger.warning("no quantized-weight kernel for %s activations on %s (it needs a CPU with AVX512-VNNI): "
+                   "the quantized weights are dequantized once, on first use, and kept beside their blocks; "
+                   "--quantization none loads them dequantized only", dtype, device)
 
 
 @dataclass(frozen=True)
@@ -185,13 +205,13 @@ def kernel_runs(x: torch.Tensor) -> bool:
 def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix | QuantizedRowStack,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[..., cols]``: the kernel (activations quantized to int8 per
-    block, as llama.cpp does; docs/quantization.md), or the weight dequantized to ``x``'s dtype and
-    ``F.linear``."""
+    block, as llama.cpp does; docs/quantization.md), or ``F.linear`` over the weight dequantized to
+    ``x``'s dtype (:meth:`QuantizedMatrix.dense`)."""
     if isinstance(matrix, QuantizedRowStack):
         biases = [None] * len(matrix.parts) if bias is None else bias.split([p.rows for p in matrix.parts])
         return torch.cat([quantized_linear(x, part, b) for part, b in zip(matrix.parts, biases, strict=True)], dim=-1)
     if not kernel_runs(x):
-        return F.linear(x, dequantize(matrix, x.dtype), bias)
+        return F.linear(x, matrix.dense(x.dtype), bias)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if matrix.padded_cols != matrix.cols:
         rows = F.pad(rows, (0, matrix.padded_cols - matrix.cols))

@@ -3,12 +3,14 @@ and OpenAI's client: ``required`` and named tool choices always return calls of 
 whose arguments validate against their schemas (jsonschema), streamed and not, over many seeds
 (the server enforces them with structured output, whatever the model would write), a two-turn
 loop (call, the tool's result, an answer), and an ``openai-agents`` agent with a function tool on
-the SDK's default (Responses) model class and on its chat-completions one."""
+the SDK's default (Responses) model class and on its chat-completions one. The seeds of one case
+go in at once, so the constrained requests are batched together as users' would be."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import jsonschema
@@ -60,15 +62,21 @@ def _calls(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[list[tup
     return [(name, arguments) for name, arguments in calls], finish
 
 
+def _per_seed(call: Callable[[int], tuple[list[tuple[str, str]], str | None]]) -> dict[int, Any]:
+    """``call(seed)`` for every seed, all in flight at once: each seed's calls and finish reason."""
+    with ThreadPoolExecutor(len(SEEDS)) as pool:
+        return dict(zip(SEEDS, pool.map(call, SEEDS), strict=True))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_required_choice_calls_tools_with_valid_arguments_for_every_seed(client: openai.OpenAI, stream: bool,
                                                                          parallel: bool) -> None:
     """One call without parallel calls; with them the model says how many, and one that runs into
     max_tokens keeps the calls it finished."""
-    for seed in SEEDS:
-        calls, finish = _calls(client, stream, tool_choice="required", parallel_tool_calls=parallel,
-                               temperature=1.0, seed=seed, max_tokens=200)
+    answers = _per_seed(lambda seed: _calls(client, stream, tool_choice="required", parallel_tool_calls=parallel,
+                                            temperature=1.0, seed=seed, max_tokens=200))
+    for seed, (calls, finish) in answers.items():
         assert calls and (finish == "tool_calls" if not parallel else finish in ("tool_calls", "length")), seed
         assert parallel or len(calls) == 1
         for name, arguments in calls:
@@ -78,8 +86,9 @@ def test_required_choice_calls_tools_with_valid_arguments_for_every_seed(client:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_function_is_called_with_valid_arguments_for_every_seed(client: openai.OpenAI, stream: bool) -> None:
     choice: Any = {"type": "function", "function": {"name": "convert_currency"}}
-    for seed in SEEDS:
-        calls, finish = _calls(client, stream, tool_choice=choice, temperature=1.0, seed=seed, max_tokens=120)
+    answers = _per_seed(lambda seed: _calls(client, stream, tool_choice=choice, temperature=1.0, seed=seed,
+                                            max_tokens=120))
+    for seed, (calls, finish) in answers.items():
         assert finish == "stop" and [name for name, _ in calls] == ["convert_currency"], (seed, calls)
         jsonschema.validate(json.loads(calls[0][1]), CONVERT)
 

@@ -2,7 +2,7 @@
 type and int8: against the arithmetic it documents (activations rounded to int8 per block), and
 against the reference of the ``gguf`` package's dequantizer and an fp32 matmul within the bound
 that rounding allows; over odd shapes, partial panels, tails and strided rows. Also the torch path
-that dequantizes per call, where the kernel cannot run."""
+that dequantizes the weight once and keeps it, where the kernel cannot run."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_int8_weights_with_a_width_off_the_blocks() -> None:
     assert torch.allclose(out.reshape(12, 21), documented, rtol=1e-5, atol=1e-5)
 
 
-def test_torch_path_dequantizes_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_path_dequantizes_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packed, "_kernel", lambda: None)
     torch.manual_seed(3)
     for kind in QUANTIZED:
@@ -146,6 +146,14 @@ def test_torch_path_dequantizes_per_call(monkeypatch: pytest.MonkeyPatch) -> Non
         # the K-quants' scales rounded to float16 are the one difference from the reference
         allowed = x.abs() @ (ours - reference).abs().T + 1e-5 * (x.abs() @ ours.abs().T)
         assert ((out - x @ reference.T).abs() <= allowed).all(), kind.name
+    calls: list[torch.dtype] = []
+    monkeypatch.setattr(packed, "dequantize", lambda m, dtype: calls.append(dtype) or dequantize(m, dtype))
+    x = torch.randn(3, matrix.cols)
+    first = quantized_linear(x, matrix, None)
+    assert torch.equal(quantized_linear(x, matrix, None), first) and calls == []  # kept from the loop's call
+    bf16 = quantized_linear(x.bfloat16(), matrix, None)
+    assert quantized_linear(x.bfloat16(), matrix, None).dtype == torch.bfloat16 and calls == [torch.bfloat16]
+    assert torch.equal(bf16, F.linear(x.bfloat16(), ours.bfloat16()))
 
 
 def _random_codes(bits: int, block: int, symmetric: bool, rows: int = 70, cols: int = 96) -> BlockCodes:
