@@ -172,6 +172,8 @@ def test_pack_keeps_every_value_and_rows_unpack_alone(bits: int, block: int, sym
     assert matrix.symmetric == symmetric
     assert matrix.packed.shape == (2, 96 // block, 4, (32 if symmetric else 64) + 16 * block * bits // 8)
     assert torch.equal(dequantize(matrix), codes.dequantize())
+    assert torch.equal(dequantize(matrix, torch.bfloat16), codes.dequantize().bfloat16())
+    assert torch.equal(dequantize(matrix), unpack_rows(matrix, torch.arange(matrix.rows)))
     rows = torch.tensor([69, 0, 17, 17, 64, 63])
     assert torch.equal(unpack_rows(matrix, rows, torch.bfloat16), codes.dequantize()[rows].bfloat16())
 
