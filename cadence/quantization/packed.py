@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -164,19 +165,25 @@ def unpack_rows(matrix: QuantizedMatrix, rows: torch.Tensor, dtype: torch.dtype 
     scales = picked[..., :header].contiguous().view(torch.float16).view(count, blocks, -1, LANES)
     scale = scales[at, :, 0, lane].float()  # [T, blocks]
     minimum = -(1 << (matrix.bits - 1)) * scale if matrix.symmetric else scales[at, :, 1, lane].float()
-    body = picked[..., header:]
-    if matrix.bits == 8:
-        codes = lanes(body)  # [T, blocks, steps, 4]
-    else:
-        nibbles = lanes(body[..., :steps * 32])
-        codes = torch.cat([nibbles & 0xF, nibbles >> 4], dim=2)
-        if matrix.bits > 4:
-            per, high_bits = _steps_per_high_vector(matrix.bits), matrix.bits - 4
-            high = lanes(body[..., steps * 32:]).repeat_interleave(per, dim=2)  # each step's vector
-            shifts = (torch.arange(steps, device=rows.device) % per * high_bits).to(torch.uint8).view(1, 1, steps, 1)
-            codes = codes | (((high >> shifts) & ((1 << high_bits) - 1)) << 4)
+    codes = _codes(picked[..., header:], matrix.bits, steps, lanes)  # [T, blocks, steps, 4]
     values = codes.reshape(count, blocks, matrix.block).float() * scale.unsqueeze(-1) + minimum.unsqueeze(-1)
     return values.reshape(count, -1)[:, :matrix.cols].to(dtype)
+
+
+def _codes(body: torch.Tensor, bits: int, steps: int, split: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The codes of :func:`pack`'s planes ``body`` (``[..., bytes]`` of one panel and block): ``[..., steps, W]``,
+    where ``split`` turns a plane ``[..., n * 64]`` into its ``[..., n, W]`` (W: the bytes of a step kept:
+    all 64, or one row's 4)."""
+    if bits == 8:
+        return split(body)
+    nibbles = split(body[..., :steps * 32])
+    codes = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-2)
+    if bits > 4:
+        per, high_bits = _steps_per_high_vector(bits), bits - 4
+        high = split(body[..., steps * 32:]).repeat_interleave(per, dim=-2)  # each step's vector
+        shifts = (torch.arange(steps, device=body.device) % per * high_bits).to(torch.uint8).view(steps, 1)
+        codes = codes | (((high >> shifts) & ((1 << high_bits) - 1)) << 4)
+    return codes
 
 
 def dequantize(matrix: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -189,18 +196,7 @@ def dequantize(matrix: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> t
     scales = runs[..., :header].contiguous().view(torch.float16).view(panels, blocks, -1, LANES)
     scale = scales[:, :, 0].float()  # [panel, block, lane]
     minimum = -(1 << (matrix.bits - 1)) * scale if matrix.symmetric else scales[:, :, 1].float()
-    body = runs[..., header:]
-    if matrix.bits == 8:
-        codes = body.reshape(panels, blocks, steps, LANES * 4)
-    else:
-        nibbles = body[..., :steps * 32].reshape(panels, blocks, steps // 2, LANES * 4)
-        codes = torch.cat([nibbles & 0xF, nibbles >> 4], dim=2)
-        if matrix.bits > 4:
-            per, high_bits = _steps_per_high_vector(matrix.bits), matrix.bits - 4
-            plane = body[..., steps * 32:].reshape(panels, blocks, steps // per, 1, LANES * 4)
-            shifts = (torch.arange(per, device=plane.device) * high_bits).to(torch.uint8).view(1, 1, 1, per, 1)
-            high = ((plane >> shifts) & ((1 << high_bits) - 1)).reshape(panels, blocks, steps, LANES * 4)
-            codes = codes | (high << 4)
+    codes = _codes(runs[..., header:], matrix.bits, steps, lambda part: part.reshape(panels, blocks, -1, LANES * 4))
     # [panel, block, step, lane, 4] -> [panel, lane, block, step * 4]: a row's block of codes
     codes = codes.view(panels, blocks, steps, LANES, 4).permute(0, 3, 1, 2, 4).reshape(panels, LANES, blocks, -1)
     values = codes.float() * scale.transpose(1, 2).unsqueeze(-1) + minimum.transpose(1, 2).unsqueeze(-1)
