@@ -20,11 +20,16 @@ one's build, and saying so; holding it, a torch ``lock`` file there was left by 
 which torch would wait forever: it is removed, with a warning.
 Where the kernels cannot run (no AVX-512, no C++ compiler, a failed build) :func:`cpu_ops` returns
 None and callers keep their torch-op path, after one warning that says why.
+
+``quant_linear_avx2.cpp`` is a library of its own, built the same way (:func:`avx2_ops`): the
+quantized linear for x86-64 CPUs with AVX2 but not AVX512-VNNI, equal to ``quant_linear.cpp`` bit
+for bit; it loads on any CPU with AVX2, AVX-512 ones included, where tests hold the two equal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -60,6 +65,11 @@ _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp", "quant_li
 # contraction of a multiply and an add into one FMA where torch rounds the product first.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
 _LDFLAGS = ["-fopenmp"]
+_AVX2_NAME = "cadence_cpu_avx2"
+_AVX2_SOURCES = ("quant_linear_avx2.cpp",)
+_AVX2_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+# Its one file: 41 s on the 2-core AVX2 machine (2026-12-03), torch's headers most of it.
+_AVX2_BUILD_S = 45.0
 # Part of the build key: bump it when the build folder's layout or its locking changes.
 _LAYOUT = 1
 # The longest wait for another process's build (a build takes about 50 s on 2 cores, 90 s on one),
@@ -81,6 +91,29 @@ _POLL_S = 0.5
 _LOCK_POLL_S = 0.1
 
 
+@dataclasses.dataclass(frozen=True)
+class _Library:
+    """One build of ``csrc/``: the library's name, the sources it compiles and with which flags, what
+    the start-up lines call it, and its cost (all CPU-seconds; the slowest file's)."""
+
+    name: str
+    sources: tuple[str, ...]
+    flags: tuple[str, ...]
+    what: str
+    build_cpu_s: float
+    slowest_source_s: float
+
+
+def _main() -> _Library:
+    """The AVX-512 kernels, as the module's constants say now (tests replace them)."""
+    return _Library(_NAME, tuple(_SOURCES), tuple(_FLAGS), "the CPU kernels", _BUILD_CPU_S, _SLOWEST_SOURCE_S)
+
+
+def _avx2() -> _Library:
+    return _Library(_AVX2_NAME, _AVX2_SOURCES, tuple(_AVX2_FLAGS), "the AVX2 quantized-linear kernel",
+                    _AVX2_BUILD_S, _AVX2_BUILD_S)
+
+
 @functools.cache
 def cpu_ops() -> Any | None:
     """``torch.ops.cadence_cpu`` (``store_kv``, ``paged_attention``, ``rms_norm``, ``add_rms_norm``,
@@ -92,22 +125,40 @@ def cpu_ops() -> Any | None:
     if capability != "AVX512":
         logger.info("cadence CPU kernels off: the CPU lacks AVX-512 (%s); using torch ops", capability)
         return None
+    return torch.ops.cadence_cpu if _load(_main()) else None
+
+
+@functools.cache
+def avx2_ops() -> Any | None:
+    """``torch.ops.cadence_avx2`` (``quant_linear_supported``, ``quant_linear``: the signature of
+    ``cadence_cpu``'s), or None where the CPU lacks AVX2, FMA or F16C or the build failed."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    if not _load(_avx2()):
+        return None
+    ops = torch.ops.cadence_avx2
+    return ops if ops.quant_linear_supported() else None
+
+
+def _load(library: _Library) -> bool:
+    """Builds ``library`` where its folder has no current build, and loads it; False, after a
+    warning, where that failed."""
     try:
         from torch.utils.cpp_extension import load
 
         sources = _kernel_sources()
-        key = build_key(sources)
-        build_dir = _build_directory(key)
+        key = build_key(sources, library)
+        build_dir = _build_directory(key, library)
         with _build_lock(build_dir):
             src = _stage_sources(build_dir, sources)
-            with _BuildProgress(build_dir, key):
-                load(_module_name(key), sources=[str(src / name) for name in _SOURCES], extra_cflags=_FLAGS,
-                     extra_ldflags=_LDFLAGS, extra_include_paths=[str(src)], build_directory=str(build_dir),
-                     is_python_module=False)
+            with _BuildProgress(build_dir, key, library):
+                load(_module_name(key, library), sources=[str(src / name) for name in library.sources],
+                     extra_cflags=list(library.flags), extra_ldflags=_LDFLAGS, extra_include_paths=[str(src)],
+                     build_directory=str(build_dir), is_python_module=False)
     except Exception as exc:  # a missing compiler or a failed build: the torch path still works
-        logger.warning("cadence CPU kernels unavailable, using torch ops instead: %s", exc)
-        return None
-    return torch.ops.cadence_cpu
+        logger.warning("cadence: %s unavailable, using torch ops instead: %s", library.what, exc)
+        return False
+    return True
 
 
 def runs_kernels(device: torch.device, dtype: torch.dtype) -> bool:
@@ -120,30 +171,32 @@ def _kernel_sources() -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.suffix in (".cpp", ".h")}
 
 
-def build_key(sources: Mapping[str, bytes] | None = None) -> str:
+def build_key(sources: Mapping[str, bytes] | None = None, library: _Library | None = None) -> str:
     """The build folder's name: a hash of the kernel files' names and bytes (``csrc/``'s by default),
-    the files compiled, the compile and link flags, the torch version and the Python ABI."""
+    the library's name and the files it compiles, the compile and link flags, the torch version and
+    the Python ABI."""
+    library = library or _main()
     digest = hashlib.sha256()
 
     def part(data: bytes) -> None:  # length-prefixed: no two lists of parts hash alike
         digest.update(len(data).to_bytes(8, "little") + data)
 
-    part(json.dumps([_LAYOUT, _SOURCES, _FLAGS, _LDFLAGS, torch.__version__, sys.implementation.cache_tag,
-                     getattr(sys, "abiflags", "")]).encode())
+    part(json.dumps([_LAYOUT, library.name, [*library.sources], [*library.flags], _LDFLAGS, torch.__version__,
+                     sys.implementation.cache_tag, getattr(sys, "abiflags", "")]).encode())
     for name, data in sorted((_kernel_sources() if sources is None else sources).items()):
         part(name.encode())
         part(data)
     return digest.hexdigest()[:16]
 
 
-def _build_directory(key: str | None = None) -> Path:
+def _build_directory(key: str | None = None, library: _Library | None = None) -> Path:
     """Where the kernels of this key (default: ``csrc/``'s) are built and cached: ``<cache>/kernels/<key>``."""
-    return cache_dir() / "kernels" / (build_key() if key is None else key)
+    return cache_dir() / "kernels" / (build_key(None, library) if key is None else key)
 
 
-def _module_name(key: str) -> str:
+def _module_name(key: str, library: _Library | None = None) -> str:
     """The library's name, one per key: torch renames (``_v1``) a name met again with other sources."""
-    return f"{_NAME}_{key}"
+    return f"{(library or _main()).name}_{key}"
 
 
 def _stage_sources(build_dir: Path, sources: Mapping[str, bytes]) -> Path:
@@ -254,20 +307,21 @@ def _clear_torch_lock(lock: Path, bound: float, held: bool) -> None:
         logger.warning("removed the stale kernel build lock %s: %s", lock, why)
 
 
-def _needs_build(build_dir: Path, key: str) -> bool:
+def _needs_build(build_dir: Path, key: str, library: _Library) -> bool:
     """Whether ``load`` will compile: no library yet, or one older than a staged source or header."""
-    library = build_dir / f"{_module_name(key)}.so"
-    if not library.is_file():
+    built_file = build_dir / f"{_module_name(key, library)}.so"
+    if not built_file.is_file():
         return True
-    built = library.stat().st_mtime
+    built = built_file.stat().st_mtime
     return any(source.stat().st_mtime > built for source in (build_dir / "src").iterdir()
                if source.suffix in (".cpp", ".h"))
 
 
-def build_estimate_s() -> int:
+def build_estimate_s(library: _Library | None = None) -> int:
     """About how long the build takes on this machine's cores, in seconds (rounded to 5)."""
+    library = library or _main()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    estimate = max(_SLOWEST_SOURCE_S, _BUILD_CPU_S / min(cores, len(_SOURCES)))
+    estimate = max(library.slowest_source_s, library.build_cpu_s / min(cores, len(library.sources)))
     return 5 * math.ceil(estimate / 5)
 
 
@@ -285,9 +339,10 @@ class _BuildProgress:
     ``_UNFORESEEN_BUILD_S``.
     """
 
-    def __init__(self, build_dir: Path, key: str) -> None:
+    def __init__(self, build_dir: Path, key: str, library: _Library) -> None:
         self._dir = build_dir
-        self._delay = 0.0 if _needs_build(build_dir, key) else _UNFORESEEN_BUILD_S
+        self._library = library
+        self._delay = 0.0 if _needs_build(build_dir, key, library) else _UNFORESEEN_BUILD_S
         self._done = threading.Event()
         self._announced = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="cadence-kernel-build", daemon=True)
@@ -303,20 +358,21 @@ class _BuildProgress:
         self._done.set()
         self._thread.join()
         if self._announced.is_set() and exc is None:
-            startup.info("compiled the CPU kernels in %.1f s (cached in %s)", time.monotonic() - self._start, self._dir)
+            startup.info("compiled %s in %.1f s (cached in %s)", self._library.what, time.monotonic() - self._start,
+                         self._dir)
 
     def _watch(self) -> None:
         if self._done.wait(self._delay):
             return
         self._announced.set()
-        estimate = build_estimate_s()
-        startup.info("compiling the CPU kernels, once for these sources (about %d s) ...", estimate)
+        estimate = build_estimate_s(self._library)
+        startup.info("compiling %s, once for these sources (about %d s) ...", self._library.what, estimate)
         terminal = _terminal()
         if terminal is None:
             return  # the two lines only, in logs and tests
         from tqdm import tqdm
 
-        steps = len(_SOURCES) + 1  # the compiles, then the link
+        steps = len(self._library.sources) + 1  # the compiles, then the link
         with tqdm(total=steps, desc="compiling CPU kernels", file=terminal, leave=False, mininterval=0,
                   bar_format="{desc} |{bar}| {n}/{total} files [{elapsed} of about "
                              f"{tqdm.format_interval(estimate)}]") as bar:

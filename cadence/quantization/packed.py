@@ -1,7 +1,8 @@
-"""Quantized weights in the layout of the CPU kernel (``backends/csrc/quant_linear.cpp``), and the
-linear layer over them: the kernel where it runs, else ``F.linear`` over the weight dequantized once,
-on first use, and kept (memory traded for speed: dequantizing on every call ran the default model
-24x slower on a CPU without AVX-512, docs/quantization.md).
+"""Quantized weights in the layout of the CPU kernels (``backends/csrc/quant_linear.cpp`` with
+AVX512-VNNI, ``quant_linear_avx2.cpp`` with AVX2: the same values bit for bit), and the linear layer
+over them: a kernel where one runs, else ``F.linear`` over the weight dequantized once, on first use,
+and kept (memory traded for speed: dequantizing on every call ran the default model 24x slower
+without a kernel, docs/quantization.md).
 
 Rows go in panels of 16 (one 32-bit lane per row). Per panel and block of input columns, one run of
 bytes holds the 16 rows' float16 scales, their 16 minimums (left out where the block form is
@@ -30,7 +31,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from cadence.backends.cpu_kernels import cpu_ops, runs_kernels
+from cadence.backends.cpu_kernels import KERNEL_DTYPES, avx2_ops, cpu_ops, runs_kernels
 from cadence.quantization.blocks import BlockCodes, concat_rows, symmetric
 
 logger = logging.getLogger(__name__)
@@ -65,16 +66,18 @@ class QuantizedMatrix:
         """The weight dequantized to ``dtype``, computed on the first call and kept for the later ones."""
         kept: dict[torch.dtype, torch.Tensor] = self.__dict__.setdefault("_dense", {})  # frozen: no setattr
         if dtype not in kept:
-            _say_dequantized_once(self.packed.device, dtype)
+            _say_dequantized_once(self.packed.device, dtype, kernel_available())
             kept[dtype] = dequantize(self, dtype)
         return kept[dtype]
 
 
 @functools.cache
-def _say_dequantized_once(device: torch.device, dtype: torch.dtype) -> None:
-    logger.warning("no quantized-weight kernel for %s activations on %s (it needs a CPU with AVX512-VNNI): "
-                   "the quantized weights are dequantized once, on first use, and kept beside their blocks; "
-                   "--quantization none loads them dequantized only", dtype, device)
+def _say_dequantized_once(device: torch.device, dtype: torch.dtype, kernel: bool) -> None:
+    why = (f"{dtype} batches of more than {_AVX2_KERNEL_ROWS} rows run faster through torch's GEMM than through "
+           "the AVX2 kernel" if kernel else f"no quantized-weight kernel for {dtype} activations on {device} (it "
+           "needs an x86 CPU with AVX2)")
+    logger.warning("%s: the quantized weights are dequantized once, on first use, and kept beside their blocks; "
+                   "--quantization none loads them dequantized only", why)
 
 
 @dataclass(frozen=True)
@@ -204,21 +207,44 @@ def dequantize(matrix: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> t
 
 
 @functools.cache
-def _kernel() -> Any | None:
-    """The kernel op where the CPU has AVX512-VNNI and the kernels built, else None."""
+def _vnni() -> bool:
+    """Whether the AVX512-VNNI kernel runs here."""
     ops = cpu_ops()
-    return ops.quant_linear if ops is not None and ops.quant_linear_supported() else None
+    return ops is not None and bool(ops.quant_linear_supported())
+
+
+@functools.cache
+def _kernel() -> Any | None:
+    """The kernel op: AVX512-VNNI's where the CPU has it and the kernels built, else AVX2's where
+    that built, else None."""
+    if _vnni():
+        return cast(Any, cpu_ops()).quant_linear
+    avx2 = avx2_ops()
+    return None if avx2 is None else avx2.quant_linear
+
+
+# Up to this many rows of float32 activations the AVX2 kernel runs, beyond them F.linear over the
+# dense weights: on the 2-core AVX2 machine (docs/quantization.md) the kernel took 5.3 ms at one row
+# against 21 ms dense (SmolLM2's 30 layers) and 86-95 against 100-103 at 32, but 183-208 against
+# 138-184 at 64: MKL's float32 GEMM does 16 multiply-adds a cycle, where two int8 parts of the
+# activations cost the kernel two VPMADDUBSWs per 32. bfloat16 rows always take the kernel (torch's
+# bfloat16 GEMM is slower still there).
+_AVX2_KERNEL_ROWS = 32
+
+
+def _kernel_takes(rows: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel, rather than torch's GEMM over dense weights, takes ``rows`` of ``dtype``."""
+    return rows <= _AVX2_KERNEL_ROWS or dtype != torch.float32 or _vnni()
 
 
 def kernel_available() -> bool:
-    """Whether the kernel runs here (a CPU with AVX512-VNNI, the kernels built)."""
+    """Whether a kernel runs here (an x86 CPU with AVX2, the kernel built)."""
     return _kernel() is not None
 
 
 def kernel_runs(x: torch.Tensor) -> bool:
-    """Whether ``x @ W.T`` goes through the kernel: ``x`` of the CPU kernels' devices and dtypes, on a
-    CPU with AVX512-VNNI."""
-    return runs_kernels(x.device, x.dtype) and kernel_available()
+    """Whether ``x @ W.T`` goes through a kernel: ``x`` float32 or bfloat16 on the CPU, a kernel here."""
+    return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and kernel_available()
 
 
 def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix | QuantizedRowStack,
@@ -229,9 +255,9 @@ def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix | QuantizedRowStac
     if isinstance(matrix, QuantizedRowStack):
         biases = [None] * len(matrix.parts) if bias is None else bias.split([p.rows for p in matrix.parts])
         return torch.cat([quantized_linear(x, part, b) for part, b in zip(matrix.parts, biases, strict=True)], dim=-1)
-    if not kernel_runs(x):
-        return F.linear(x, matrix.dense(x.dtype), bias)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if not kernel_runs(x) or not _kernel_takes(rows.shape[0], x.dtype):
+        return F.linear(x, matrix.dense(x.dtype), bias)
     if matrix.padded_cols != matrix.cols:
         rows = F.pad(rows, (0, matrix.padded_cols - matrix.cols))
     out = cast(Any, _kernel())(rows, matrix.packed, bias, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)

@@ -1,8 +1,10 @@
-"""The quantized linear (cadence/quantization/packed.py over csrc/quant_linear.cpp) for every GGML
-type and int8: against the arithmetic it documents (activations rounded to int8 per block), and
-against the reference of the ``gguf`` package's dequantizer and an fp32 matmul within the bound
-that rounding allows; over odd shapes, partial panels, tails and strided rows. Also the torch path
-that dequantizes the weight once and keeps it, where the kernel cannot run."""
+"""The quantized linear (cadence/quantization/packed.py over csrc/quant_linear.cpp with AVX512-VNNI,
+csrc/quant_linear_avx2.cpp with AVX2) for every GGML type and int8: against the arithmetic it
+documents (activations rounded to int8 per block), and against the reference of the ``gguf``
+package's dequantizer and an fp32 matmul within the bound that rounding allows; over odd shapes,
+partial panels, tails and strided rows; the two kernels equal bit for bit where both run. Also the
+torch path that dequantizes the weight once and keeps it, where no kernel runs (or, beside the AVX2
+kernel, for large float32 batches)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from support.ggml_blocks import QUANTIZED, Q, random_blocks
 
-from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.cpu_kernels import avx2_ops, cpu_ops
 from cadence.quantization import packed
 from cadence.quantization.blocks import FORMS, BlockCodes, quantize_int8
 from cadence.quantization.ggml import decode
@@ -27,7 +29,14 @@ from cadence.quantization.packed import (
     unpack_rows,
 )
 
-needs_kernel = pytest.mark.skipif(not packed.kernel_runs(torch.zeros(1)), reason="the kernel needs AVX512-VNNI")
+needs_kernel = pytest.mark.skipif(not packed.kernel_runs(torch.zeros(1)), reason="the kernels need x86 with AVX2")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_at_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX2 kernel on batches of any size (quantized_linear sends float32 ones of more than 32
+    rows to torch's GEMM; test_large_float32_batches_... checks that)."""
+    monkeypatch.setattr(packed, "_AVX2_KERNEL_ROWS", 1 << 30)
 
 
 def _weight(kind: GGMLQuantizationType, rows: int, blocks: int) -> tuple[QuantizedMatrix, torch.Tensor]:
@@ -229,5 +238,42 @@ def test_the_kernel_refuses_forms_it_has_no_code_for(bits: int, block: int) -> N
     bytes_per_block = 64 + 16 * block * bits // 8
     weights = torch.zeros(1, 64 // block, 4, bytes_per_block, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match=f"no kernel for {bits}-bit codes in blocks of {block}"):
-        torch.ops.cadence_cpu.quant_linear(torch.zeros(1, 64), weights, None, 16, bits, block, False)
+        packed._kernel()(torch.zeros(1, 64), weights, None, 16, bits, block, False)
     assert (bits, block) not in FORMS
+
+
+_vnni = cpu_ops() is not None and cpu_ops().quant_linear_supported()
+
+
+@pytest.mark.skipif(not packed.kernel_available(), reason="the kernels need an x86 CPU with AVX2")
+def test_the_vnni_kernel_is_preferred_and_the_avx2_one_runs_without_it() -> None:
+    assert packed._kernel() == (cpu_ops().quant_linear if _vnni else avx2_ops().quant_linear)
+
+
+@pytest.mark.skipif(not _vnni or avx2_ops() is None, reason="needs a CPU with AVX512-VNNI (which has AVX2)")
+@pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
+@pytest.mark.parametrize(("bits", "block"), sorted(FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_avx2_kernel_equals_the_vnni_one_bit_for_bit(bits: int, block: int, symmetric: bool,
+                                                         dtype: torch.dtype) -> None:
+    """The same greedy tokens on every x86 machine: both do the same float steps in the same order."""
+    torch.manual_seed(bits * block)
+    matrix = pack(_random_codes(bits, block, symmetric, rows=200, cols=192))
+    bias = torch.randn(200).to(dtype)
+    for batch in (1, 2, 5, 12, 300):
+        x = torch.randn(batch, 192).to(dtype)
+        args = (x, matrix.packed, bias, matrix.rows, bits, block, symmetric)
+        assert torch.equal(avx2_ops().quant_linear(*args), cpu_ops().quant_linear(*args)), batch
+
+
+@needs_kernel
+def test_large_float32_batches_take_torch_s_gemm_beside_the_avx2_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()
+    torch.manual_seed(6)
+    matrix, _ = _weight(Q.Q4_1, rows=70, blocks=3)
+    dense = F.linear(x := torch.randn(33, matrix.cols), dequantize(matrix))
+    kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
+    assert torch.equal(quantized_linear(x[:32], matrix, None), kernel[:32])
+    assert torch.equal(quantized_linear(x, matrix, None), kernel if _vnni else dense)
+    assert torch.equal(quantized_linear(x.bfloat16(), matrix, None),
+                       packed._kernel()(x.bfloat16(), matrix.packed, None, matrix.rows, 4, 32, False))

@@ -22,20 +22,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "quant_pack.h"
 #include "vec.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <memory>
 
 #pragma GCC target("avx512vnni")
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-constexpr int64_t kGroupPanels = 4;
+using namespace cadence::quant;
+
 constexpr int64_t kTileRows = 4;
-constexpr int64_t kRowBlock = 256;
 // Up to this many rows (a decode batch, or a few requests verifying drafts), each tile takes a
 // whole group, three rows at a time (their 24 sums are what fits in registers beside the codes), and
 // prefetches the weights it streams.
@@ -44,20 +43,17 @@ constexpr int64_t kPrefetchBytes = 16384;  // measured at one row: 12-20 KiB ahe
 
 bool quant_linear_supported() { return __builtin_cpu_supports("avx512vnni"); }
 
-// The activations quantized: per row and block, x ~ scale * (hi + lo / 254) with int8 codes hi and
-// lo (read 4 at a time as int32), and scale * (sum of hi + sum of lo / 254) for the minimums.
-// Left uninitialised: quantize_rows writes every element.
-struct QuantizedRows {
-  QuantizedRows(int64_t values, int64_t blocks)
-      : hi(new int8_t[values]), lo(new int8_t[values]), scale(new float[blocks]), sum(new float[blocks]) {}
-  std::unique_ptr<int8_t[]> hi, lo;
-  std::unique_ptr<float[]> scale, sum;
+// The kernel, as quant_pack.h's linear calls it.
+struct Vnni {
+  template <typename T>
+  static void quantize_rows(const T* x, int64_t rows, int64_t stride, int64_t cols, int64_t block, QuantizedRows& q);
+  template <typename F, typename T>
+  static void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, int64_t groups, int64_t blocks,
+                  T* out, int64_t out_features, const T* bias);
 };
 
-constexpr float kLoSteps = 254.0f;  // |x - scale * hi| <= scale / 2 = 127 lo steps
-
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t stride, int64_t cols, int64_t block, QuantizedRows& q) {
+void Vnni::quantize_rows(const T* x, int64_t rows, int64_t stride, int64_t cols, int64_t block, QuantizedRows& q) {
   const int64_t blocks = cols / block;
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -91,19 +87,9 @@ void quantize_rows(const T* x, int64_t rows, int64_t stride, int64_t cols, int64
   });
 }
 
-// A packed format: Bits-bit codes in blocks of Block columns; Symmetric: no minimums stored, each is
-// -2^(Bits-1) times its scale. Per (panel, block): 16 float16 scales, 16 minimums unless symmetric,
-// the codes (cadence/quantization/packed.py).
-template <int Bits, int Block, bool Symmetric>
-struct Format {
-  static constexpr int kBits = Bits, kBlock = Block, kSteps = Block / 4;
-  static constexpr bool kSymmetric = Symmetric;
-  static constexpr int64_t kHeader = (Symmetric ? 1 : 2) * 2 * kLanes;
-  static constexpr int64_t kBytes = kHeader + kLanes * Block * Bits / 8;
-  static constexpr int64_t kGroupBytes = kGroupPanels * kBytes;  // one block of a whole group
-  // How many blocks of a group ahead of its use a whole-group tile prefetches.
-  static constexpr int64_t kAhead = std::max<int64_t>(1, kPrefetchBytes / kGroupBytes);
-};
+// How many blocks of a group ahead of its use a whole-group tile prefetches.
+template <typename F>
+constexpr int64_t kAhead = std::max<int64_t>(1, kPrefetchBytes / F::kGroupBytes);
 
 // Step s of one (panel, block)'s codes, unpacked to 64 bytes: 8-bit codes as stored; narrower ones
 // from the nibble plane (steps s and s + Block/8 share a vector), their fifth and sixth bits from the
@@ -142,7 +128,7 @@ inline void add_blocks(__m512 (&acc)[R][P], const QuantizedRows& q, int64_t r0, 
   constexpr int64_t block_bytes = F::kBytes, group_block_bytes = F::kGroupBytes;
   if constexpr (P == kGroupPanels) {  // whole groups: few rows, bound by how fast the weights arrive
     for (int u = 0; u < U; ++u) {
-      const uint8_t* next = panel + (b + u + F::kAhead) * group_block_bytes;
+      const uint8_t* next = panel + (b + u + kAhead<F>) * group_block_bytes;
       if (next >= stream_end) break;
       for (int64_t line = 0; line < group_block_bytes; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T1);
@@ -225,8 +211,8 @@ void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* panel
 }
 
 template <typename F, typename T>
-void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, int64_t groups, int64_t blocks, T* out,
-         int64_t out_features, const T* bias) {
+void Vnni::run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, int64_t groups, int64_t blocks,
+               T* out, int64_t out_features, const T* bias) {
   using Tile = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, int64_t, const uint8_t*, T*, int64_t,
                         int64_t, const T*);
   constexpr Tile kPairs[kTileRows + 1] = {nullptr, tile<F, 1, 2, T>, tile<F, 2, 2, T>, tile<F, 3, 2, T>,
@@ -282,66 +268,6 @@ void run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t* w, i
   });
 }
 
-// The (bits, block) forms packed.py makes (blocks.FORMS), each with and without minimums: the one
-// list both the argument check and the dispatch read.
-#define CADENCE_QUANT_FORMS(X) X(4, 32) X(5, 32) X(8, 32) X(6, 16) X(8, 16)
-
-bool has_format(int64_t bits, int64_t block) {
-#define CADENCE_IS_FORM(B, K) if (bits == B && block == K) return true;
-  CADENCE_QUANT_FORMS(CADENCE_IS_FORM)
-#undef CADENCE_IS_FORM
-  return false;
-}
-
-// run<Format<bits, block, symmetric>, T>(args...) for a form has_format accepts.
-template <typename T, typename... Args>
-void run_format(int64_t bits, int64_t block, bool symmetric, Args&&... args) {
-#define CADENCE_RUN_FORM(B, K)                                                   \
-  if (bits == B && block == K) {                                                 \
-    symmetric ? run<Format<B, K, true>, T>(args...) : run<Format<B, K, false>, T>(args...); \
-    return;                                                                      \
-  }
-  CADENCE_QUANT_FORMS(CADENCE_RUN_FORM)
-#undef CADENCE_RUN_FORM
-}
-
-// x [M, K] float32 or bfloat16, packed uint8 [ceil(N/64), K/block, 4, bytes] (bytes: 32 or 64 +
-// 16 * block * bits / 8), bias [N] of x's dtype or None -> [M, N] of x's dtype.
-at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                        int64_t out_features, int64_t bits, int64_t block, bool symmetric) {
-  TORCH_CHECK(has_format(bits, block), "quant_linear: no kernel for ", bits, "-bit codes in blocks of ", block);
-  const int64_t block_bytes = (symmetric ? 1 : 2) * 2 * kLanes + kLanes * block * bits / 8;
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == kGroupPanels && packed.size(3) == block_bytes &&
-                  packed.size(0) == (out_features + kGroupPanels * kLanes - 1) / (kGroupPanels * kLanes),
-              "quant_linear: the weight must be packed by cadence.quantization.packed.pack (", out_features, " rows)");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == packed.size(1) * block &&
-                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
-              "quant_linear: x must be [M, ", packed.size(1) * block, "] float32 or bfloat16");
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == x_in.scalar_type()),
-              "quant_linear: bias must be dense [", out_features, "] of x's dtype");
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t rows = x.size(0), cols = x.size(1), groups = packed.size(0), blocks = packed.size(1);
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  if (rows == 0) return out;
-  QuantizedRows q(rows * cols, rows * (cols / block));
-  CADENCE_DISPATCH_FLOAT(x.scalar_type(), "quant_linear", [&] {
-    quantize_rows(x.data_ptr<scalar_t>(), rows, x.stride(0), cols, block, q);
-    const uint8_t* w = packed.data_ptr<uint8_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const scalar_t* b = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    run_format<scalar_t>(bits, block, symmetric, q, rows, cols, w, groups, blocks, o, out_features, b);
-  });
-  return out;
-}
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
-  m.def("quant_linear_supported() -> bool", quant_linear_supported);  // no tensors: callable on any dispatch key
-  m.def(
-      "quant_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int bits, int block, bool symmetric) -> "
-      "Tensor");
-}
-
-TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) { m.impl("quant_linear", quant_linear); }
+CADENCE_QUANT_LINEAR_OPS(cadence_cpu, Vnni, quant_linear_supported)

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
+#include "dispatch.h"
 #include <immintrin.h>
 
 #include <cstdint>
@@ -66,7 +66,3 @@ inline __m512 exp16(__m512 x) {
 }
 
 }  // namespace cadence
-
-// Runs __VA_ARGS__ (a lambda) with scalar_t bound to the C++ type of a float32 or bfloat16 tensor.
-#define CADENCE_DISPATCH_FLOAT(TYPE, NAME, ...) \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
