@@ -28,7 +28,7 @@ from cadence.backends.cpu_kernels import KERNEL_DTYPES, cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend, SDPAMetadata
 from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from cadence.models.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
-from cadence.quantization.packed import QuantizedMatrix, QuantizedRowStack, kernel_available
+from cadence.quantization.packed import QuantizedMatrix, QuantizedRowStack, vnni_available
 
 # The kinds of weight the C++ Linear takes (decoder_stack.cpp: kDense, kPanels, kQuant).
 _DENSE, _PANELS, _QUANT = 0, 1, 2
@@ -134,13 +134,13 @@ class DecoderStack:
 
 def _native_linear(module: ColumnParallelLinear | RowParallelLinear) -> Any | None:
     """``module``'s weight as a C++ Linear (as :func:`~cadence.distributed.layers.linear` reads it), or
-    None for a weight only the Python path runs (oneDNN's packed layout, quantized without the kernel)."""
+    None for a weight only the Python path runs (oneDNN's packed layout, quantized without the VNNI kernel)."""
     weight: torch.Tensor | QuantizedMatrix | QuantizedRowStack = module.weight
     bias = module.bias
     out_features = sum(module.out_sizes) if isinstance(module, ColumnParallelLinear) else module.out_features
     new = _classes().Linear
     if isinstance(weight, QuantizedMatrix | QuantizedRowStack):
-        if not kernel_available():
+        if not vnni_available():  # the C++ Linear calls cadence_cpu's kernel; an AVX-512 CPU may lack VNNI
             return None
         parts = weight.parts if isinstance(weight, QuantizedRowStack) else (weight,)
         numbers = [n for p in parts for n in (p.rows, p.cols, p.padded_cols, p.bits, p.block, int(p.symmetric))]

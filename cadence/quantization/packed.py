@@ -207,8 +207,8 @@ def dequantize(matrix: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> t
 
 
 @functools.cache
-def _vnni() -> bool:
-    """Whether the AVX512-VNNI kernel runs here."""
+def vnni_available() -> bool:
+    """Whether the AVX512-VNNI kernel runs here (the one ``csrc/decoder_stack.cpp`` calls)."""
     ops = cpu_ops()
     return ops is not None and bool(ops.quant_linear_supported())
 
@@ -217,7 +217,7 @@ def _vnni() -> bool:
 def _kernel() -> Any | None:
     """The kernel op: AVX512-VNNI's where the CPU has it and the kernels built, else AVX2's where
     that built, else None."""
-    if _vnni():
+    if vnni_available():
         return cast(Any, cpu_ops()).quant_linear
     avx2 = avx2_ops()
     return None if avx2 is None else avx2.quant_linear
@@ -234,7 +234,7 @@ _AVX2_KERNEL_ROWS = 32
 
 def _kernel_takes(rows: int, dtype: torch.dtype) -> bool:
     """Whether the kernel, rather than torch's GEMM over dense weights, takes ``rows`` of ``dtype``."""
-    return rows <= _AVX2_KERNEL_ROWS or dtype != torch.float32 or _vnni()
+    return rows <= _AVX2_KERNEL_ROWS or dtype != torch.float32 or vnni_available()
 
 
 def kernel_available() -> bool:

@@ -242,15 +242,12 @@ def test_the_kernel_refuses_forms_it_has_no_code_for(bits: int, block: int) -> N
     assert (bits, block) not in FORMS
 
 
-_vnni = cpu_ops() is not None and cpu_ops().quant_linear_supported()
-
-
 @pytest.mark.skipif(not packed.kernel_available(), reason="the kernels need an x86 CPU with AVX2")
 def test_the_vnni_kernel_is_preferred_and_the_avx2_one_runs_without_it() -> None:
-    assert packed._kernel() == (cpu_ops().quant_linear if _vnni else avx2_ops().quant_linear)
+    assert packed._kernel() == (cpu_ops().quant_linear if packed.vnni_available() else avx2_ops().quant_linear)
 
 
-@pytest.mark.skipif(not _vnni or avx2_ops() is None, reason="needs a CPU with AVX512-VNNI (which has AVX2)")
+@pytest.mark.skipif(not packed.vnni_available() or avx2_ops() is None, reason="needs AVX512-VNNI (and AVX2)")
 @pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
 @pytest.mark.parametrize(("bits", "block"), sorted(FORMS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -274,6 +271,6 @@ def test_large_float32_batches_take_torch_s_gemm_beside_the_avx2_kernel(monkeypa
     dense = F.linear(x := torch.randn(33, matrix.cols), dequantize(matrix))
     kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
     assert torch.equal(quantized_linear(x[:32], matrix, None), kernel[:32])
-    assert torch.equal(quantized_linear(x, matrix, None), kernel if _vnni else dense)
+    assert torch.equal(quantized_linear(x, matrix, None), kernel if packed.vnni_available() else dense)
     assert torch.equal(quantized_linear(x.bfloat16(), matrix, None),
                        packed._kernel()(x.bfloat16(), matrix.packed, None, matrix.rows, 4, 32, False))
