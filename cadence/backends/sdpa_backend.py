@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.backends.base import AttentionBackend, BatchLayout
-from cadence.backends.cpu_kernels import KERNEL_DTYPES, cpu_ops, runs_kernels
+from cadence.backends.cpu_kernels import KERNEL_DTYPES, attention_takes_prefills, cpu_ops, runs_kernels
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ class SDPABackend(AttentionBackend):
         metadata: object,
     ) -> torch.Tensor:
         meta = cast(SDPAMetadata, metadata)
-        ops = cpu_ops() if _kernel_reads(q, k_cache) else None
+        ops = cpu_ops() if _kernel_reads(q, k_cache) and (not meta.prefills or attention_takes_prefills()) else None
         if ops is not None:
             # Every token, decode or prefill, attends to its own request's cache up to its position.
             ops.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)

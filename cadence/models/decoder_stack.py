@@ -24,11 +24,11 @@ from typing import Any, cast
 import torch
 
 from cadence.backends.base import AttentionBackend
-from cadence.backends.cpu_kernels import KERNEL_DTYPES, cpu_ops
+from cadence.backends.cpu_kernels import KERNEL_DTYPES, attention_takes_prefills, cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend, SDPAMetadata
 from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from cadence.models.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
-from cadence.quantization.packed import QuantizedMatrix, QuantizedRowStack, vnni_available
+from cadence.quantization.packed import QuantizedMatrix, QuantizedRowStack, kernel_takes_every_batch
 
 # The kinds of weight the C++ Linear takes (decoder_stack.cpp: kDense, kPanels, kQuant).
 _DENSE, _PANELS, _QUANT = 0, 1, 2
@@ -91,7 +91,7 @@ class DecoderStack:
         kind, eps = type(norms[0]), norms[0].eps
         if not all(type(n) is kind and n.fused and n.eps == eps for n in norms):
             return False
-        native = [_native_linear(m) for m in parts.linears]
+        native = [_native_linear(m, self._dtype) for m in parts.linears]
         if any(linear is None for linear in native):
             return False
         gemma = kind is GemmaRMSNorm
@@ -115,9 +115,12 @@ class DecoderStack:
         self._natives[module].set_lora(a, b, slot_a, slot_b, num_parts, num_parts * rank)
         return True
 
-    def runs(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether the paged-attention kernels read these caches (as the backend checks per layer)."""
-        return self.enabled and bool(kv_caches) and kv_caches[0][0].dtype == self._dtype
+    def runs(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], attn_metadata: Sequence[object]) -> bool:
+        """Whether the paged-attention kernels read these caches and this step's rows (as the backend
+        checks per layer)."""
+        if not (self.enabled and kv_caches and kv_caches[0][0].dtype == self._dtype):
+            return False
+        return attention_takes_prefills() or not cast(SDPAMetadata, attn_metadata[0]).prefills
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  attn_metadata: Sequence[object]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,15 +135,16 @@ class DecoderStack:
             self.lora_masks, self.lora_slot))
 
 
-def _native_linear(module: ColumnParallelLinear | RowParallelLinear) -> Any | None:
+def _native_linear(module: ColumnParallelLinear | RowParallelLinear, dtype: torch.dtype) -> Any | None:
     """``module``'s weight as a C++ Linear (as :func:`~cadence.distributed.layers.linear` reads it), or
-    None for a weight only the Python path runs (oneDNN's packed layout, quantized without the VNNI kernel)."""
+    None for a weight only the Python path runs (oneDNN's packed layout; quantized where no kernel
+    takes every batch of ``dtype``, as the Python path sends large ones to torch's GEMM)."""
     weight: torch.Tensor | QuantizedMatrix | QuantizedRowStack = module.weight
     bias = module.bias
     out_features = sum(module.out_sizes) if isinstance(module, ColumnParallelLinear) else module.out_features
     new = _classes().Linear
     if isinstance(weight, QuantizedMatrix | QuantizedRowStack):
-        if not vnni_available():  # the C++ Linear calls cadence_cpu's kernel; an AVX-512 CPU may lack VNNI
+        if not kernel_takes_every_batch(dtype):
             return None
         parts = weight.parts if isinstance(weight, QuantizedRowStack) else (weight,)
         numbers = [n for p in parts for n in (p.rows, p.cols, p.padded_cols, p.bits, p.block, int(p.symmetric))]

@@ -142,7 +142,7 @@ class Gemma2ForCausalLM(CausalLM):
         """As :meth:`cadence.models.llama.LlamaForCausalLM.forward`."""
         ropes = {kind: rotary(positions) for kind, rotary in self.rotary_emb.items()}
         h = self.model.embed_tokens(input_ids) * self.embed_scale
-        if self.decoder_stack is not None and self.decoder_stack.runs(kv_caches):
+        if self.decoder_stack is not None and self.decoder_stack.runs(kv_caches, attn_metadata):
             h, _ = self.decoder_stack(h, positions, kv_caches, attn_metadata)
         else:
             for layer, kind, kv_cache, metadata in zip(self.model.layers, self.rope_kinds, kv_caches, attn_metadata,

@@ -219,7 +219,7 @@ class LlamaForCausalLM(CausalLM):
         """
         rope = self.rotary_emb(positions)
         h, residual = self.model.embed_tokens(input_ids), None
-        if self.decoder_stack is not None and self.decoder_stack.runs(kv_caches):
+        if self.decoder_stack is not None and self.decoder_stack.runs(kv_caches, attn_metadata):
             h, residual = self.decoder_stack(h, positions, kv_caches, attn_metadata)
         else:
             for layer, kv_cache, metadata in zip(self.model.layers, kv_caches, attn_metadata, strict=True):

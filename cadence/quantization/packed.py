@@ -234,7 +234,13 @@ _AVX2_KERNEL_ROWS = 32
 
 def _kernel_takes(rows: int, dtype: torch.dtype) -> bool:
     """Whether the kernel, rather than torch's GEMM over dense weights, takes ``rows`` of ``dtype``."""
-    return rows <= _AVX2_KERNEL_ROWS or dtype != torch.float32 or vnni_available()
+    return rows <= _AVX2_KERNEL_ROWS or kernel_takes_every_batch(dtype)
+
+
+def kernel_takes_every_batch(dtype: torch.dtype) -> bool:
+    """Whether a kernel here takes every batch of ``dtype`` (as the C++ decoder stack's Linear
+    calls it): the VNNI one; the AVX2 one for bfloat16."""
+    return kernel_available() and (dtype != torch.float32 or vnni_available())
 
 
 def kernel_available() -> bool:

@@ -9,15 +9,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cadence.backends import sdpa_backend
+from cadence.backends import cpu_kernels, sdpa_backend
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend
 from cadence.backends.testing import PagedBatch, random_paged_batch, run_backend
 
 CPU = torch.device("cpu")
-# Where the CPU has AVX-512 the kernels must build, so a broken build fails here rather than skipping.
-pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
-                                reason="cadence's CPU kernels need AVX-512")
+# Where the CPU has AVX-512 or AVX2 the kernels must build, so a broken build fails here rather than skipping.
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"),
+                                reason="cadence's CPU kernels need AVX-512 or AVX2")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_on_prefills(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel on prefill rows too, wherever it is built (over SIMDe the backend sends steps with
+    prefills to torch's SDPA instead, but the kernel's tiles must stay right there)."""
+    monkeypatch.setattr(sdpa_backend, "attention_takes_prefills", lambda: True)
 
 
 def _naive(batch: PagedBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -180,3 +187,25 @@ def test_generation_without_the_kernels_is_the_same(make_tiny_model, monkeypatch
         assert a.token_ids == b.token_ids
         torch.testing.assert_close([p.logprobs[0] for p in a.logprobs], [p.logprobs[0] for p in b.logprobs],
                                    atol=1e-5, rtol=0)
+
+
+def test_steps_with_prefills_take_the_kernel_only_where_it_is_the_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_kernels.attention_takes_prefills() == (torch.backends.cpu.get_cpu_capability() == "AVX512")
+    rows: list[int] = []
+    kernels = cpu_ops()
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(kernels, name)
+
+        def paged_attention(self, out: torch.Tensor, q: torch.Tensor, *args: object) -> None:
+            rows.append(q.shape[0])
+            kernels.paged_attention(out, q, *args)
+
+    monkeypatch.setattr(sdpa_backend, "cpu_ops", Spy)
+    for takes in (False, True):
+        monkeypatch.setattr(sdpa_backend, "attention_takes_prefills", lambda takes=takes: takes)
+        rows.clear()
+        _check(random_paged_batch([(20, 1), (0, 9)], 4, 2, 32, 16, torch.float32, seed=1), 1e-5)
+        _check(random_paged_batch([(20, 1), (7, 1)], 4, 2, 32, 16, torch.float32, seed=2), 1e-5)
+        assert rows == ([10, 2] if takes else [2])

@@ -258,17 +258,20 @@ def test_the_bound_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
-def test_the_avx2_library_builds_its_one_file_in_a_folder_of_its_own(capability: str, loads: list[Load],
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_avx2_builds_go_in_folders_of_their_own(capability: str, loads: list[Load],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX2 quantized linear: its one file, on either CPU; the main kernels: the same sources
+    for AVX-512 or over SIMDe for AVX2, in different folders."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.ops, "cadence_avx2", type("Ops", (), {"quant_linear_supported": lambda: True}))
     assert cpu_kernels.avx2_ops.__wrapped__() is torch.ops.cadence_avx2
-    assert cpu_kernels.cpu_ops.__wrapped__() is (None if capability == "AVX2" else torch.ops.cadence_cpu)
-    avx2 = loads[0]
+    assert cpu_kernels.cpu_ops.__wrapped__() is torch.ops.cadence_cpu
+    avx2, main = loads
     assert avx2.name.startswith("cadence_cpu_avx2_")
     assert [Path(source).name for source in avx2.sources] == ["quant_linear_avx2.cpp"]
-    assert avx2.build_directory != cpu_kernels._build_directory()
-    assert len(loads) == (1 if capability == "AVX2" else 2)
+    assert [Path(source).name for source in main.sources] == list(cpu_kernels._SOURCES)
+    assert len({avx2.build_directory, main.build_directory}) == 2
+    assert (main.build_directory == cpu_kernels._build_directory()) == (capability == "AVX512")
 
 
 def test_no_avx2_library_on_other_cpus(loads: list[Load], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,15 @@
 #include <algorithm>
 #include <cstdint>
 
+namespace {
+
+// Outside the target region below: called on every CPU (the kernels' AVX2 build loads this file on
+// CPUs without AVX-512, where code of that region must never run).
+bool bf16_linear_supported() { return __builtin_cpu_supports("avx512bf16"); }
+
+}  // namespace
+
+#pragma GCC push_options
 #pragma GCC target("avx512bf16")
 
 namespace {
@@ -32,8 +41,6 @@ constexpr int64_t kPanelVecs = kPanelCols / 16;
 constexpr int64_t kTileRows = 8;  // 8 x 3 accumulators + 3 weight vectors + 1 broadcast: 28 of 32 registers
 constexpr int64_t kLine = 64;
 constexpr int64_t kRowBlock = 256;  // 256 rows of K=576 take 288 KiB
-
-bool bf16_linear_supported() { return __builtin_cpu_supports("avx512bf16"); }
 
 // W [N, K] bf16 -> [ceil(N/48), ceil(K/2), 48, 2], zero-padded (padding columns are never stored).
 at::Tensor pack_bf16_linear(const at::Tensor& weight) {
@@ -136,6 +143,8 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c
 }
 
 }  // namespace
+
+#pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
   m.def("bf16_linear_supported() -> bool", bf16_linear_supported);  // no tensors: callable on any dispatch key

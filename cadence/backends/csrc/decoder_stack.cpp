@@ -38,7 +38,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const OptT
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const OptTensor& bias, int64_t rows,
                         int64_t bits, int64_t block, bool symmetric) {
   static const auto op = kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, int64_t,
-                                           int64_t, bool)>("cadence_cpu::quant_linear");
+                                           int64_t, bool)>(
+      // the AVX2 kernel's library where the VNNI one does not run (cpu_kernels.py loads it first)
+      __builtin_cpu_supports("avx512vnni") ? "cadence_cpu::quant_linear" : "cadence_avx2::quant_linear");
   return op.call(x, packed, bias, rows, bits, block, symmetric);
 }
 

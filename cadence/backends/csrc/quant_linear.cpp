@@ -28,6 +28,15 @@
 #include <algorithm>
 #include <cstdint>
 
+namespace {
+
+// Outside the target region below: called on every CPU (the kernels' AVX2 build loads this file on
+// CPUs without AVX-512, where code of that region must never run).
+bool quant_linear_supported() { return __builtin_cpu_supports("avx512vnni"); }
+
+}  // namespace
+
+#pragma GCC push_options
 #pragma GCC target("avx512vnni")
 
 namespace {
@@ -40,8 +49,6 @@ constexpr int64_t kTileRows = 4;
 // prefetches the weights it streams.
 constexpr int64_t kWholeGroupRows = 9;
 constexpr int64_t kPrefetchBytes = 16384;  // measured at one row: 12-20 KiB ahead best, 8 KiB 10% slower
-
-bool quant_linear_supported() { return __builtin_cpu_supports("avx512vnni"); }
 
 // The kernel, as quant_pack.h's linear calls it.
 struct Vnni {
@@ -269,5 +276,7 @@ void Vnni::run(const QuantizedRows& q, int64_t rows, int64_t cols, const uint8_t
 }
 
 }  // namespace
+
+#pragma GCC pop_options
 
 CADENCE_QUANT_LINEAR_OPS(cadence_cpu, Vnni, quant_linear_supported)

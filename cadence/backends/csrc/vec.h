@@ -1,11 +1,105 @@
 // AVX-512 helpers shared by cadence's CPU kernels: 16 floats at a time, from and to float32 or
 // bfloat16 storage, with masked variants for row tails. bfloat16 values are rounded to nearest
 // even, as torch's casts do, so a kernel that rounds where torch's op-by-op code rounds matches it.
+//
+// Built for AVX-512 the intrinsics are the CPU's own; built for AVX2 (the kernels' second build,
+// cadence/backends/cpu_kernels.py) SIMDe (the simde-py package's headers) implements the same
+// _mm512 intrinsics over pairs of 256-bit registers, so one source serves both.
 #pragma once
 
 #include <ATen/ATen.h>
 #include "dispatch.h"
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#else
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <climits>
+
+// The few intrinsics the kernels use that SIMDe 0.8.2 lacks, in GCC's own order of operations (so
+// that a reduction rounds as it does on AVX-512), and its masked loads and stores, replaced.
+inline float cadence_mm512_reduce_add_ps(simde__m512 a) {
+  const simde__m256 half = simde_mm256_add_ps(simde_mm512_extractf32x8_ps(a, 1), simde_mm512_castps512_ps256(a));
+  const simde__m128 quarter = simde_mm_add_ps(simde_mm256_extractf128_ps(half, 1), simde_mm256_castps256_ps128(half));
+  const simde__m128 pairs = simde_mm_add_ps(quarter, simde_mm_shuffle_ps(quarter, quarter, 0x4E));
+  return simde_mm_cvtss_f32(pairs) + simde_mm_cvtss_f32(simde_mm_shuffle_ps(pairs, pairs, 1));
+}
+
+inline int cadence_mm512_reduce_add_epi32(simde__m512i a) {
+  const simde__m512i_private v = simde__m512i_to_private(a);
+  int sum = 0;
+  for (int i = 0; i < 16; ++i) sum += v.i32[i];
+  return sum;
+}
+
+inline int cadence_mm512_mask_reduce_min_epi32(simde__mmask16 m, simde__m512i a) {
+  return simde_mm512_reduce_min_epi32(simde_mm512_mask_mov_epi32(simde_mm512_set1_epi32(INT_MAX), m, a));
+}
+
+inline simde__m256i cadence_mm512_cvtepi32_epi16(simde__m512i a) {  // truncating, as VPMOVDW
+  const simde__m512i_private v = simde__m512i_to_private(a);
+  simde__m256i_private r;
+  for (int i = 0; i < 16; ++i) r.i16[i] = static_cast<int16_t>(v.i32[i]);
+  return simde__m256i_from_private(r);
+}
+
+// SIMDe's masked loads and stores read and write all 16 lanes (a store writes zeros past the mask:
+// past a row's end); these touch only the lanes of the mask, as AVX-512's do (VMASKMOVPS for
+// 32-bit lanes, which does not fault on the lanes left out; lane by lane for 16-bit ones).
+inline simde__m256i cadence_lanes8(unsigned bits) {
+  const simde__m256i bit = simde_mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return simde_mm256_cmpeq_epi32(simde_mm256_and_si256(simde_mm256_set1_epi32(static_cast<int>(bits & 0xFF)), bit), bit);
+}
+
+inline simde__m512 cadence_mm512_maskz_loadu_ps(simde__mmask16 k, const void* p) {
+  const float* f = static_cast<const float*>(p);
+  if (k == 0xFFFF) return simde_mm512_loadu_ps(f);  // a row's full chunks, most of them
+  const simde__m256 lo = simde_mm256_maskload_ps(f, cadence_lanes8(k)), hi = simde_mm256_maskload_ps(f + 8, cadence_lanes8(k >> 8));
+  return simde_mm512_insertf32x8(simde_mm512_castps256_ps512(lo), hi, 1);
+}
+
+inline simde__m512 cadence_mm512_mask_loadu_ps(simde__m512 src, simde__mmask16 k, const void* p) {
+  return simde_mm512_mask_mov_ps(src, k, cadence_mm512_maskz_loadu_ps(k, p));
+}
+
+inline void cadence_mm512_mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
+  float* f = static_cast<float*>(p);
+  if (k == 0xFFFF) return simde_mm512_storeu_ps(f, a);
+  simde_mm256_maskstore_ps(f, cadence_lanes8(k), simde_mm512_castps512_ps256(a));
+  simde_mm256_maskstore_ps(f + 8, cadence_lanes8(k >> 8), simde_mm512_extractf32x8_ps(a, 1));
+}
+
+inline simde__m256i cadence_mm256_maskz_loadu_epi16(simde__mmask16 k, const void* p) {
+  uint16_t lanes[16] = {};
+  for (int i = 0; i < 16; ++i) {
+    if (k >> i & 1) lanes[i] = static_cast<const uint16_t*>(p)[i];
+  }
+  return simde_mm256_loadu_si256(lanes);
+}
+
+inline void cadence_mm256_mask_storeu_epi16(void* p, simde__mmask16 k, simde__m256i a) {
+  uint16_t lanes[16];
+  simde_mm256_storeu_si256(lanes, a);
+  for (int i = 0; i < 16; ++i) {
+    if (k >> i & 1) static_cast<uint16_t*>(p)[i] = lanes[i];
+  }
+}
+
+#undef _mm512_maskz_loadu_ps
+#undef _mm512_mask_loadu_ps
+#undef _mm512_mask_storeu_ps
+#undef _mm256_maskz_loadu_epi16
+#undef _mm256_mask_storeu_epi16
+#define _mm512_maskz_loadu_ps cadence_mm512_maskz_loadu_ps
+#define _mm512_mask_loadu_ps cadence_mm512_mask_loadu_ps
+#define _mm512_mask_storeu_ps cadence_mm512_mask_storeu_ps
+#define _mm256_maskz_loadu_epi16 cadence_mm256_maskz_loadu_epi16
+#define _mm256_mask_storeu_epi16 cadence_mm256_mask_storeu_epi16
+#define _mm512_reduce_add_ps cadence_mm512_reduce_add_ps
+#define _mm512_reduce_add_epi32 cadence_mm512_reduce_add_epi32
+#define _mm512_mask_reduce_min_epi32 cadence_mm512_mask_reduce_min_epi32
+#define _mm512_cvtepi32_epi16 cadence_mm512_cvtepi32_epi16
+#endif
 
 #include <cstdint>
 
@@ -62,7 +156,12 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+#if defined(__AVX512F__)
   return _mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n);
+#else  // SIMDe's scalef is slow; n is a whole number in [-126, 127], so 2^n is a float's exponent
+  const __m512 power = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  return _mm512_mul_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), power);
+#endif
 }
 
 }  // namespace cadence
