@@ -18,15 +18,11 @@ Processes take turns in a folder under an advisory lock (``cadence.lock``, which
 its holder dies), waiting at most ``$CADENCE_KERNEL_LOCK_TIMEOUT_S`` (default 300 s) for another
 one's build, and saying so; holding it, a torch ``lock`` file there was left by a killed build, on
 which torch would wait forever: it is removed, with a warning.
-On x86 CPUs with AVX2 but not AVX-512 the same sources are built a second way: SIMDe (the
-``simde-py`` package's headers) implements their ``_mm512`` intrinsics over pairs of 256-bit
-registers (``csrc/vec.h``). The AVX512-VNNI and AVX512-BF16 GEMMs say there that they do not run.
-Where the kernels cannot run (neither instruction set, no C++ compiler, a failed build)
-:func:`cpu_ops` returns None and callers keep their torch-op path, after one warning that says why.
-
-``quant_linear_avx2.cpp`` is a library of its own, built the same way (:func:`avx2_ops`): the
-quantized linear for x86-64 CPUs with AVX2 but not AVX512-VNNI, equal to ``quant_linear.cpp`` bit
-for bit; it loads on any CPU with AVX2, AVX-512 ones included, where tests hold the two equal.
+With AVX2 but not AVX-512 the same sources build over SIMDe (``csrc/vec.h``), where the VNNI and
+BF16 GEMMs say they do not run; ``quant_linear_avx2.cpp``, equal to ``quant_linear.cpp`` bit for bit,
+is a library of its own for any CPU with AVX2 (:func:`avx2_ops`). Where no kernels run (neither
+instruction set, no compiler, a failed build) :func:`cpu_ops` returns None and callers keep their
+torch-op path, after one warning that says why.
 """
 
 from __future__ import annotations
@@ -72,10 +68,9 @@ _LDFLAGS = ["-fopenmp"]
 _AVX2_NAME = "cadence_cpu_avx2"
 _AVX2_SOURCES = ("quant_linear_avx2.cpp",)
 _AVX2_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
-# Its one file: 41 s on the 2-core AVX2 machine (2026-12-03), torch's headers most of it.
+# On the 2-core AVX2 machine (2026-12-03): its one file 41 s; the main kernels over SIMDe 178 s of
+# wall time (242 CPU-seconds, unevenly over the cores: these make that the 2-core estimate).
 _AVX2_BUILD_S = 45.0
-# The main kernels over SIMDe on that machine: 178 s of wall time (242 CPU-seconds, SIMDe's headers
-# heavier than torch's; the two cores are unevenly loaded), which these make the 2-core estimate.
 _AVX2_MAIN_BUILD_CPU_S = 350.0
 _AVX2_MAIN_SLOWEST_S = 60.0
 # Part of the build key: bump it when the build folder's layout or its locking changes.
@@ -101,8 +96,7 @@ _LOCK_POLL_S = 0.1
 
 @dataclasses.dataclass(frozen=True)
 class _Library:
-    """One build of ``csrc/``: the library's name, the sources it compiles and with which flags, what
-    the start-up lines call it, and its cost (all CPU-seconds; the slowest file's)."""
+    """One build of ``csrc/``: name, sources, flags, its name in start-up lines, its cost in seconds."""
 
     name: str
     sources: tuple[str, ...]
@@ -118,8 +112,7 @@ def _main() -> _Library:
 
 
 def _main_over_avx2() -> _Library:
-    """The same kernels built for AVX2, SIMDe standing in for AVX-512 (its version is in the flags,
-    so a new one rebuilds them)."""
+    """The same kernels built for AVX2 over SIMDe (its version in the flags: a new one rebuilds)."""
     import simde_py
 
     simde = [f"-I{simde_py.get_include()}", f"-DCADENCE_SIMDE={importlib.metadata.version('simde-py')}", "-Wno-psabi"]
@@ -134,11 +127,8 @@ def _avx2() -> _Library:
 
 @functools.cache
 def cpu_ops() -> Any | None:
-    """``torch.ops.cadence_cpu`` (``store_kv``, ``paged_attention``, ``rms_norm``, ``add_rms_norm``,
-    ``silu_and_mul``, ``rotary_embedding``, ``bf16_linear_supported``, ``pack_bf16_linear``,
-    ``bf16_linear``, ``quant_linear_supported``, ``quant_linear``, ``quant_rows``, ``argmax_rows``, and the
-    classes ``Linear`` and ``DecoderStack`` in ``torch.classes.cadence_cpu``; signatures in
-    ``csrc/``), or None where the kernels cannot run here."""
+    """``torch.ops.cadence_cpu`` (the ops the ``TORCH_LIBRARY_FRAGMENT`` blocks of ``csrc/`` define, and
+    the classes ``Linear`` and ``DecoderStack`` in ``torch.classes.cadence_cpu``), or None where none run."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX512", "AVX2"):
         logger.info("cadence CPU kernels off: the CPU lacks AVX-512 and AVX2 (%s); using torch ops", capability)
@@ -150,24 +140,20 @@ def cpu_ops() -> Any | None:
 def avx2_ops() -> Any | None:
     """``torch.ops.cadence_avx2`` (``quant_linear_supported``, ``quant_linear``: the signature of
     ``cadence_cpu``'s), or None where the CPU lacks AVX2, FMA or F16C or the build failed."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    if not _load(_avx2()):
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not _load(_avx2()):
         return None
     ops = torch.ops.cadence_avx2
     return ops if ops.quant_linear_supported() else None
 
 
 def attention_takes_prefills() -> bool:
-    """Whether the paged-attention kernel also takes steps with prefill rows: on AVX-512. Over SIMDe
-    (AVX2) it ran prefills 4-8x slower than torch's SDPA (4 x 128 tokens: 8.3 ms against 2.1), and
-    decodes as fast or faster (16 at 200 tokens: 1.7 ms both; one at 100: 0.20 ms against 0.41)."""
+    """Whether the paged-attention kernel also takes steps with prefill rows: on AVX-512. Over SIMDe it
+    ran prefills 4-8x slower than torch's SDPA, decodes as fast or faster (docs/performance.md)."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def _load(library: _Library) -> bool:
-    """Builds ``library`` where its folder has no current build, and loads it; False, after a
-    warning, where that failed."""
+    """Builds ``library`` unless its folder has a current build, and loads it; False (warned) on failure."""
     try:
         from torch.utils.cpp_extension import load
 
@@ -358,11 +344,8 @@ def _terminal() -> TextIO | None:
 
 class _BuildProgress:
     """Around ``load``: a line before and after a build, and on a terminal a bar of the object files
-    written (compiles then the link), with the elapsed time; nothing for a cached load.
-
-    A build foreseen (:func:`_needs_build`) is announced at once, any other once it has taken
-    ``_UNFORESEEN_BUILD_S``.
-    """
+    written (compiles then the link), with the elapsed time; nothing for a cached load. A build
+    foreseen (:func:`_needs_build`) is announced at once, any other after ``_UNFORESEEN_BUILD_S``."""
 
     def __init__(self, build_dir: Path, key: str, library: _Library) -> None:
         self._dir = build_dir
