@@ -21,7 +21,7 @@ from cadence.lora_request import LoRARequest
 from cadence.models.decoder_stack import DecoderStack
 from cadence.models.loader import load_hf_config, load_model
 
-pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the C++ kernels need an AVX-512 CPU")
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the C++ kernels need AVX-512 or AVX2")
 
 # Prompts of three requests (two adapters and the base model), then decodes beside a chunk, then
 # steps all on one adapter (its slot alone, no mask).

@@ -20,7 +20,7 @@ from cadence.models.gemma import Gemma2ForCausalLM
 from cadence.models.llama import LlamaForCausalLM
 from cadence.models.loader import load_hf_config, load_model
 
-pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the C++ kernels need an AVX-512 CPU")
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the C++ kernels need AVX-512 or AVX2")
 
 # Ragged prompts in one step, a chunk over a cached prefix beside decodes, then decodes.
 _STEPS = [{"a": 5, "b": 11}, {"a": 1, "b": 1, "c": 9}, {"c": 4, "a": 1, "b": 1}, {"a": 1, "b": 1, "c": 1}]

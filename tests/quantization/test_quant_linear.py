@@ -187,7 +187,7 @@ def test_pack_keeps_every_value_and_rows_unpack_alone(bits: int, block: int, sym
     assert torch.equal(unpack_rows(matrix, rows, torch.bfloat16), codes.dequantize()[rows].bfloat16())
 
 
-@pytest.mark.skipif(cpu_ops() is None, reason="the C++ kernels need an AVX-512 CPU")
+@pytest.mark.skipif(cpu_ops() is None, reason="the C++ kernels need AVX-512 or AVX2")
 @pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
 @pytest.mark.parametrize(("bits", "block"), sorted(FORMS))
 def test_the_row_lookup_kernel_is_the_torch_paths(bits: int, block: int, symmetric: bool) -> None:
