@@ -208,7 +208,7 @@ def dequantize(matrix: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> t
 
 @functools.cache
 def vnni_available() -> bool:
-    """Whether the AVX512-VNNI kernel runs here (the one ``csrc/decoder_stack.cpp`` calls)."""
+    """Whether the AVX512-VNNI kernel runs here (else ``csrc/decoder_stack.cpp`` calls the AVX2 one)."""
     ops = cpu_ops()
     return ops is not None and bool(ops.quant_linear_supported())
 

@@ -83,8 +83,6 @@ inline void store_int8(int8_t* p, __m256i v) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
 }
 
-// quant_linear.cpp's quantize_rows, 8 values at a time: the same products, differences and
-// roundings (MXCSR's nearest even), so the same codes and sums.
 // The kernel, as quant_pack.h's linear calls it.
 struct Avx2 {
   template <typename T>
@@ -94,6 +92,8 @@ struct Avx2 {
                   T* out, int64_t out_features, const T* bias);
 };
 
+// quant_linear.cpp's quantize_rows, 8 values at a time: the same products, differences and
+// roundings (MXCSR's nearest even), so the same codes and sums.
 template <typename T>
 void Avx2::quantize_rows(const T* x, int64_t rows, int64_t stride, int64_t cols, int64_t block, QuantizedRows& q) {
   const int64_t blocks = cols / block;
