@@ -7,8 +7,8 @@
 
 Each layer reads only its rows or columns of a checkpoint tensor (``tensor[rows]``, ``tensor[:, cols]``
 on a lazily read safetensors slice), so no rank materialises the full model. At world size 1 each
-forward is the single ``F.linear`` / ``F.embedding`` call of the unsharded module (or, for bf16 on
-the CPU, the GEMM of the prepacked weight: see :func:`pack_weights`).
+forward is the single ``F.linear`` / ``F.embedding`` call of the unsharded module (or, on the CPU,
+the GEMM of the prepacked weight: see :func:`pack_weights`).
 
 A layer handed a :class:`QuantizedCheckpointTensor` for its weight keeps it quantized: it takes its
 shard's blocks (a row split, or a column split on whole blocks), and :func:`pack_weights` packs them
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cadence.backends import onednn
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.distributed.group import ParallelGroup
 from cadence.distributed.partition import Split
@@ -243,29 +244,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix | QuantizedRo
     if isinstance(weight, QuantizedMatrix | QuantizedRowStack):
         return quantized_linear(x, weight, bias)
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn.linear(x, weight, bias)
     if weight.dim() == 4:
         rows = x.reshape(-1, x.shape[-1])
         return cast(Any, cpu_ops()).bf16_linear(rows, weight, bias, out_features).view(*x.shape[:-1], out_features)
     return F.linear(x, weight, bias)
 
 
-# Rows per step oneDNN's packed layout is tuned for; any row count works (a decode batch is typical).
-_PACKING_BATCH_HINT = 64
-
-
 def pack_weights(model: nn.Module, int8: bool = False) -> None:
-    """Prepack a loaded bf16 CPU model's GEMM weights once, for cadence's GEMM or else oneDNN's.
+    """Prepack a loaded CPU model's GEMM weights once, for cadence's bf16 GEMM or else oneDNN's.
 
-    On CPUs with AVX512-BF16 the weights go into the panel layout of ``csrc/bf16_linear.cpp``, whose
-    GEMM runs a batch-64 decode step's linears here in 18-19 ms against oneDNN's 24-25 ms. Elsewhere,
-    where oneDNN has bf16 support, they go into oneDNN's blocked layout: F.linear on a plain bf16
-    weight has oneDNN reorder the whole weight on every call, and prepacked the results are the
-    same, bit for bit. The packed tensor replaces the linear layers' weights (no second copy); the
-    embedding keeps its plain table for lookups and packs a copy for the LM head, while an untied LM
-    head (``lookups=False``) is packed in place. Does nothing for other dtypes (fp32 stays on
-    F.linear, bit for bit the reference path) or devices. Loading weights after packing is not
-    supported.
+    On CPUs with AVX512-BF16 bf16 weights go into the panel layout of ``csrc/bf16_linear.cpp``, whose
+    GEMM runs a batch-64 decode step's linears here in 18-19 ms against oneDNN's 24-25 ms. Elsewhere
+    bf16 weights (where oneDNN has bf16 support) and float32 ones (on x86) go into oneDNN's blocked
+    layout (``backends/onednn.py``: faster than MKL's float32 GEMM, and bf16 F.linear would have
+    oneDNN reorder the whole weight on every call). The packed tensor replaces the linear layers'
+    weights (no second copy); the embedding keeps its plain table for lookups and packs a copy for
+    the LM head, while an untied LM head (``lookups=False``) is packed in place. Does nothing for
+    other dtypes or devices. Loading weights after packing is not supported.
 
     Weights staged quantized (:class:`QuantizedCheckpointTensor`) are packed for the quantized
     linear instead, and with ``int8`` (``--quantization int8``) so are the float weights of the
@@ -324,8 +320,9 @@ def prepacked(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not weight.is_mkldnn
-            and (_fits_bf16_gemm(weight) or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    if weight.device.type != "cpu" or weight.is_mkldnn:
+        return False
+    return (weight.dtype == torch.bfloat16 and _fits_bf16_gemm(weight)) or onednn.packs(weight.dtype, weight.device)
 
 
 def _fits_bf16_gemm(weight: torch.Tensor) -> bool:
@@ -341,4 +338,4 @@ def _has_bf16_gemm() -> bool:
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     if _fits_bf16_gemm(weight):
         return cast(Any, cpu_ops()).pack_bf16_linear(weight.detach())
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACKING_BATCH_HINT)
+    return onednn.pack(weight)

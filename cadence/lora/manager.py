@@ -51,10 +51,8 @@ class LoRAManager:
                          else LoRASlots(self.batch, module.part.size, [module.out_features]))
                 module.lora = slots
                 self.layers[name] = (module, slots)
-        # The model's C++ decoder stack, if it has one: it runs masked steps' deltas too, unless its
-        # kernels cannot read the slots' layout (oneDNN's).
+        # The model's C++ decoder stack, if it has one: it runs masked steps' deltas too.
         self._stack: DecoderStack | None = getattr(model, "decoder_stack", None)
-        self._stack_runs_lora = True
         self._loaded: OrderedDict[int, RankAdapter] = OrderedDict()
         self._slot_ids: list[int | None] = [None] * config.max_loras
         self._slot_used = [0] * config.max_loras  # the step that last used each slot
@@ -79,7 +77,7 @@ class LoRAManager:
         per_request = np.array([-1 if lora is None else slots[lora.lora_int_id] for lora in loras], dtype=np.int64)
         self.batch.set(np.repeat(per_request, counts))
         if self._stack is not None:  # a masked step runs in the C++ stack, a segmented one from Python
-            self._stack.enabled = self.batch.segments is None and self._stack_runs_lora
+            self._stack.enabled = self.batch.segments is None
             self._stack.lora_masks = self.batch.masks() if self._stack.enabled else []
             self._stack.lora_slot = self.batch.only_slot
 
@@ -93,8 +91,7 @@ class LoRAManager:
             for name, (module, slots) in self.layers.items():
                 slots.load(slot, adapter.get(name, [None] * slots.num_parts))
                 if self._stack is not None:  # the C++ stack reads the slots' new (repacked) weights
-                    self._stack_runs_lora &= self._stack.set_lora(module, slots.packed, slots.num_parts,
-                                                                  self.config.max_lora_rank)
+                    self._stack.set_lora(module, slots.packed, slots.num_parts, self.config.max_lora_rank)
             self._slot_ids[slot] = lora.lora_int_id
         self._slot_used[slot] = self._step
         return slot

@@ -10,9 +10,9 @@ A model builds it once the weights are final (its ``prepare_fast_path``; not und
 ``--enforce-eager``), layer by layer, and only where every layer runs on the CPU kernels exactly as
 the loop would: the family's own layer, attention and MLP modules (the model checks those), fused
 norms and RoPE kernels, the SDPA backend's paged-attention kernels, weights that are plain
-(F.linear), packed for the bf16 GEMM or quantized, and one rank (checked here). Anything else
-(tensor parallelism, mixtures of experts, partial rotary, oneDNN-packed weights, other backends)
-keeps the Python loop.
+(F.linear), in oneDNN's layout, packed for the bf16 GEMM or quantized, and one rank (checked here).
+Anything else (tensor parallelism, mixtures of experts, partial rotary, other backends) keeps the
+Python loop.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from cadence.backends.cpu_kernels import KERNEL_DTYPES, attention_takes_prefills
 from cadence.backends.sdpa_backend import SDPABackend, SDPAMetadata
 from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from cadence.models.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
-from cadence.quantization.packed import QuantizedMatrix, QuantizedRowStack, kernel_takes_every_batch
+from cadence.quantization.packed import QuantizedMatrix, QuantizedRowStack, kernel_available, kernel_row_limit
 
 # The kinds of weight the C++ Linear takes (decoder_stack.cpp: kDense, kPanels, kQuant).
 _DENSE, _PANELS, _QUANT = 0, 1, 2
@@ -105,15 +105,12 @@ class DecoderStack:
 
     def set_lora(self, module: ColumnParallelLinear | RowParallelLinear,
                  weights: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]],
-                 num_parts: int, rank: int) -> bool:
+                 num_parts: int, rank: int) -> None:
         """Give ``module``'s C++ Linear its LoRA slots' weights (``LoRASlots.packed``: every slot's A
-        and B, and each slot's, plain or the bf16 GEMM's panels), of ``rank`` columns a part per slot;
-        False where the kernels cannot run them (oneDNN's layout)."""
+        and B, and each slot's, plain, in oneDNN's layout or the bf16 GEMM's panels), of ``rank``
+        columns a part per slot."""
         a, b, slot_a, slot_b = weights
-        if any(w.is_mkldnn for w in (a, b, *slot_a, *slot_b)):
-            return False
         self._natives[module].set_lora(a, b, slot_a, slot_b, num_parts, num_parts * rank)
-        return True
 
     def runs(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], attn_metadata: Sequence[object]) -> bool:
         """Whether the paged-attention kernels read these caches and this step's rows (as the backend
@@ -137,20 +134,20 @@ class DecoderStack:
 
 def _native_linear(module: ColumnParallelLinear | RowParallelLinear, dtype: torch.dtype) -> Any | None:
     """``module``'s weight as a C++ Linear (as :func:`~cadence.distributed.layers.linear` reads it), or
-    None for a weight only the Python path runs (oneDNN's packed layout; quantized where no kernel
-    takes every batch of ``dtype``, as the Python path sends large ones to torch's GEMM)."""
+    None for a weight only the Python path runs (quantized where no kernel runs)."""
     weight: torch.Tensor | QuantizedMatrix | QuantizedRowStack = module.weight
     bias = module.bias
     out_features = sum(module.out_sizes) if isinstance(module, ColumnParallelLinear) else module.out_features
     new = _classes().Linear
     if isinstance(weight, QuantizedMatrix | QuantizedRowStack):
-        if not kernel_takes_every_batch(dtype):
+        if not kernel_available():
             return None
         parts = weight.parts if isinstance(weight, QuantizedRowStack) else (weight,)
         numbers = [n for p in parts for n in (p.rows, p.cols, p.padded_cols, p.bits, p.block, int(p.symmetric))]
-        return new(_QUANT, [p.packed for p in parts], bias, numbers, out_features)
-    if weight.is_mkldnn:
-        return None
+        limit = kernel_row_limit(dtype)  # beyond it, quantized_linear's dense weights
+        dense = [] if limit is None else [p.dense(dtype) for p in parts]
+        return new(_QUANT, [p.packed for p in parts] + dense, bias, [*numbers, -1 if limit is None else limit],
+                   out_features)
     return new(_PANELS if weight.dim() == 4 else _DENSE, [weight], bias, [], out_features)
 
 

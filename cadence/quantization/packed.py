@@ -1,6 +1,6 @@
 """Quantized weights in the layout of the CPU kernels (``backends/csrc/quant_linear.cpp`` with
 AVX512-VNNI, ``quant_linear_avx2.cpp`` with AVX2: the same values bit for bit), and the linear layer
-over them: a kernel where one runs, else ``F.linear`` over the weight dequantized once, on first use,
+over them: a kernel where one runs, else a float GEMM over the weight dequantized once, on first use,
 and kept (memory traded for speed: dequantizing on every call ran the default model 24x slower
 without a kernel, docs/quantization.md).
 
@@ -31,6 +31,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from cadence.backends import onednn
 from cadence.backends.cpu_kernels import KERNEL_DTYPES, avx2_ops, cpu_ops, runs_kernels
 from cadence.quantization.blocks import BlockCodes, concat_rows, symmetric
 
@@ -63,17 +64,20 @@ class QuantizedMatrix:
         return replace(self, packed=self.packed.to(device))
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight dequantized to ``dtype``, computed on the first call and kept for the later ones."""
+        """The weight dequantized to ``dtype`` (in oneDNN's layout where that GEMM runs it:
+        ``backends/onednn.py``), computed on the first call and kept for the later ones."""
         kept: dict[torch.dtype, torch.Tensor] = self.__dict__.setdefault("_dense", {})  # frozen: no setattr
         if dtype not in kept:
-            _say_dequantized_once(self.packed.device, dtype, kernel_available())
-            kept[dtype] = dequantize(self, dtype)
+            device = self.packed.device
+            _say_dequantized_once(device, dtype, kernel_available())
+            weight = dequantize(self, dtype)
+            kept[dtype] = onednn.pack(weight) if onednn.packs(dtype, device) else weight
         return kept[dtype]
 
 
 @functools.cache
 def _say_dequantized_once(device: torch.device, dtype: torch.dtype, kernel: bool) -> None:
-    why = (f"{dtype} batches of more than {_AVX2_KERNEL_ROWS} rows run faster through torch's GEMM than through "
+    why = (f"{dtype} batches of more than {_AVX2_KERNEL_ROWS} rows run faster through a float GEMM than through "
            "the AVX2 kernel" if kernel else f"no quantized-weight kernel for {dtype} activations on {device} (it "
            "needs an x86 CPU with AVX2)")
     logger.warning("%s: the quantized weights are dequantized once, on first use, and kept beside their blocks; "
@@ -223,24 +227,29 @@ def _kernel() -> Any | None:
     return None if avx2 is None else avx2.quant_linear
 
 
-# Up to this many rows of float32 activations the AVX2 kernel runs, beyond them F.linear over the
-# dense weights: on the 2-core AVX2 machine (docs/quantization.md) the kernel took 5.3 ms at one row
-# against 21 ms dense (SmolLM2's 30 layers) and 86-95 against 100-103 at 32, but 183-208 against
-# 138-184 at 64: MKL's float32 GEMM does 16 multiply-adds a cycle, where two int8 parts of the
-# activations cost the kernel two VPMADDUBSWs per 32. bfloat16 rows always take the kernel (torch's
-# bfloat16 GEMM is slower still there).
+# Up to this many rows of float32 activations the AVX2 kernel runs, beyond them the GEMM over the
+# dense weights (oneDNN's, backends/onednn.py): on the 2-core AVX2 machine (docs/quantization.md), for
+# SmolLM2's 30 layers and LM head, the kernel took 3.3 ms at one row against 16-17 ms dense, 39-41
+# against 42-44 at 16, 77-82 against 73-84 at 32, but 153-180 against 133-136 at 64: two int8 parts
+# of the activations cost the kernel two VPMADDUBSWs per 32 multiply-adds. bfloat16 rows always take
+# the kernel (torch's bfloat16 GEMM is slower still there).
 _AVX2_KERNEL_ROWS = 32
 
 
 def _kernel_takes(rows: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel, rather than torch's GEMM over dense weights, takes ``rows`` of ``dtype``."""
+    """Whether the kernel, rather than a float GEMM over dense weights, takes ``rows`` of ``dtype``."""
     return rows <= _AVX2_KERNEL_ROWS or kernel_takes_every_batch(dtype)
 
 
 def kernel_takes_every_batch(dtype: torch.dtype) -> bool:
-    """Whether a kernel here takes every batch of ``dtype`` (as the C++ decoder stack's Linear
-    calls it): the VNNI one; the AVX2 one for bfloat16."""
+    """Whether a kernel here takes every batch of ``dtype``: the VNNI one; the AVX2 one for bfloat16."""
     return kernel_available() and (dtype != torch.float32 or vnni_available())
+
+
+def kernel_row_limit(dtype: torch.dtype) -> int | None:
+    """The most rows of ``dtype`` the kernel takes in one call, more going to the dense weights (as the
+    C++ decoder stack's Linear does too); None where it takes every batch."""
+    return None if kernel_takes_every_batch(dtype) else _AVX2_KERNEL_ROWS
 
 
 def kernel_available() -> bool:
@@ -256,14 +265,15 @@ def kernel_runs(x: torch.Tensor) -> bool:
 def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix | QuantizedRowStack,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[..., cols]``: the kernel (activations quantized to int8 per
-    block, as llama.cpp does; docs/quantization.md), or ``F.linear`` over the weight dequantized to
+    block, as llama.cpp does; docs/quantization.md), or a float GEMM over the weight dequantized to
     ``x``'s dtype (:meth:`QuantizedMatrix.dense`)."""
     if isinstance(matrix, QuantizedRowStack):
         biases = [None] * len(matrix.parts) if bias is None else bias.split([p.rows for p in matrix.parts])
         return torch.cat([quantized_linear(x, part, b) for part, b in zip(matrix.parts, biases, strict=True)], dim=-1)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if not kernel_runs(x) or not _kernel_takes(rows.shape[0], x.dtype):
-        return F.linear(x, matrix.dense(x.dtype), bias)
+        dense = matrix.dense(x.dtype)
+        return onednn.linear(x, dense, bias) if dense.is_mkldnn else F.linear(x, dense, bias)
     if matrix.padded_cols != matrix.cols:
         rows = F.pad(rows, (0, matrix.padded_cols - matrix.cols))
     out = cast(Any, _kernel())(rows, matrix.packed, bias, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)

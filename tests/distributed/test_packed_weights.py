@@ -1,14 +1,17 @@
-"""Prepacked GEMM weights for bf16 CPU models: cadence's AVX512-BF16 GEMM (``csrc/bf16_linear.cpp``),
-exact to the instruction's arithmetic, and oneDNN's packed layout where it is missing, bit for bit
-F.linear."""
+"""Prepacked GEMM weights for CPU models: cadence's AVX512-BF16 GEMM (``csrc/bf16_linear.cpp``),
+exact to the instruction's arithmetic, and oneDNN's packed layout where it is missing (bf16: bit for
+bit F.linear) and for float32 on x86."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cadence.backends import onednn
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.distributed import even_split, layers
 from cadence.distributed.group import SINGLE_RANK
@@ -131,9 +134,24 @@ def test_odd_input_widths_go_to_onednn() -> None:
     assert torch.equal(column(x), expected)
 
 
-def test_float32_models_stay_on_f_linear() -> None:
+def test_float32_layers_take_onednn_s_gemm_on_x86() -> None:
+    """Where oneDNN packs float32 (x86), the layers run its GEMM over the packed weight; its sums round
+    differently from F.linear's (MKL's), within float32's precision. Elsewhere they stay plain."""
     layers_ = _layers(torch.float32)
+    column, row, vocab, head = layers_
+    x, wide, ids = torch.randn(5, 24), torch.randn(5, 48), torch.tensor([3, 36])
+    weights = ((x, column.weight, column.bias), (wide, row.weight, None), (x, vocab.weight, None),
+               (x, head.weight, None))
+    packs = onednn.packs(torch.float32, torch.device("cpu"))
+    assert packs == (platform.machine() == "x86_64")
+    plain = [F.linear(*args) for args in weights]
+    packed = [onednn.linear(a, onednn.pack(w), b) if packs else F.linear(a, w, b) for a, w, b in weights]
+    lookup = F.embedding(ids, vocab.weight)
     pack_weights(layers_)
-    for layer in layers_:
-        assert layer.weight.dim() == 2 and not layer.weight.is_mkldnn
-    assert layers_[2].packed_lm_head is None and layers_[3].packed_lm_head is None
+    assert [column.weight.is_mkldnn, row.weight.is_mkldnn, vocab.packed_lm_head is not None, head.weight.is_mkldnn] \
+        == [packs] * 4
+    assert not vocab.weight.is_mkldnn and torch.equal(vocab(ids), lookup)  # the lookup table stays plain
+    got = (column(x), row(wide), vocab.logits(x), head.logits(x))
+    for have, want, reference in zip(got, packed, plain, strict=True):
+        assert torch.equal(have, want)
+        torch.testing.assert_close(have, reference)

@@ -13,12 +13,15 @@ from support.ggml_blocks import QUANTIZED, Q, write_tiny_gguf
 from support.paged_harness import CPU, PagedHarness
 
 from cadence import LLM, SamplingParams
+from cadence.backends import sdpa_backend
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.backends.registry import load_backend
+from cadence.models import decoder_stack
 from cadence.models.decoder_stack import DecoderStack
 from cadence.models.gemma import Gemma2ForCausalLM
 from cadence.models.llama import LlamaForCausalLM
 from cadence.models.loader import load_hf_config, load_model
+from cadence.quantization import packed
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the C++ kernels need AVX-512 or AVX2")
 
@@ -73,7 +76,7 @@ _ARCHS = {
                                                       (torch.bfloat16, "int8")], ids=["fp32", "bf16", "int8"])
 def test_the_stack_is_the_layer_loop_bit_for_bit(make_tiny_model: Callable[..., Path], arch: str,
                                                  dtype: torch.dtype, quantization: str) -> None:
-    """fp32 runs F.linear, bf16 the packed GEMM, int8 the quantized kernel."""
+    """fp32 runs oneDNN's GEMM on x86 (else F.linear), bf16 the packed GEMM, int8 the quantized kernel."""
     model_type, overrides = _ARCHS[arch]
     _both_ways(_load(make_tiny_model(model_type, **overrides), dtype, quantization))
 
@@ -86,6 +89,18 @@ def test_the_stack_runs_gguf_weights_as_the_loop(kinds: list[Q], tmp_path: Path)
     stacked = [m for m in model.modules() if type(getattr(m, "weight", None)).__name__ == "QuantizedRowStack"]
     assert bool(stacked) == (len(kinds) > 1)
     _both_ways(model)
+
+
+def test_the_stack_sends_batches_past_the_kernel_s_row_limit_to_the_dense_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside the AVX2 kernel float32 batches past its row limit (2 here) take the dense GEMM, in the
+    stack as in the loop; every step runs the paged-attention kernel, prefills too (the AVX2 default
+    leaves those to the loop)."""
+    monkeypatch.setattr(packed, "_AVX2_KERNEL_ROWS", 2)
+    monkeypatch.setattr(sdpa_backend, "attention_takes_prefills", lambda: True)
+    monkeypatch.setattr(decoder_stack, "attention_takes_prefills", lambda: True)
+    llm = LLM(model=str(write_tiny_gguf(tmp_path / "tiny.gguf", [*QUANTIZED])), dtype="float32", num_kv_blocks=64)
+    _both_ways(llm.engine_core.executor.worker.runner.model)
 
 
 def test_models_the_kernels_do_not_run_whole_keep_the_loop(make_tiny_model: Callable[..., Path]) -> None:

@@ -3,7 +3,7 @@ csrc/quant_linear_avx2.cpp with AVX2) for every GGML type and int8: against the 
 documents (activations rounded to int8 per block), and against the reference of the ``gguf``
 package's dequantizer and an fp32 matmul within the bound that rounding allows; over odd shapes,
 partial panels, tails and strided rows; the two kernels equal bit for bit where both run. Also the
-torch path that dequantizes the weight once and keeps it, where no kernel runs (or, beside the AVX2
+float GEMM over the weight dequantized once and kept, where no kernel runs (or, beside the AVX2
 kernel, for large float32 batches)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from support.ggml_blocks import QUANTIZED, Q, random_blocks
 
+from cadence.backends import onednn
 from cadence.backends.cpu_kernels import avx2_ops, cpu_ops
 from cadence.quantization import packed
 from cadence.quantization.blocks import FORMS, BlockCodes, quantize_int8
@@ -32,10 +33,18 @@ from cadence.quantization.packed import (
 needs_kernel = pytest.mark.skipif(not packed.kernel_runs(torch.zeros(1)), reason="the kernels need x86 with AVX2")
 
 
+def _dense_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as the dense path computes it: oneDNN's GEMM over the packed weight where it
+    runs that dtype (backends/onednn.py), else F.linear."""
+    if onednn.packs(x.dtype, x.device):
+        return onednn.linear(x, onednn.pack(weight), None)
+    return F.linear(x, weight)
+
+
 @pytest.fixture(autouse=True)
 def _kernel_at_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The AVX2 kernel on batches of any size (quantized_linear sends float32 ones of more than 32
-    rows to torch's GEMM; test_large_float32_batches_... checks that)."""
+    rows to the dense GEMM; test_large_float32_batches_... checks that)."""
     monkeypatch.setattr(packed, "_AVX2_KERNEL_ROWS", 1 << 30)
 
 
@@ -151,7 +160,7 @@ def test_torch_path_dequantizes_once(monkeypatch: pytest.MonkeyPatch) -> None:
         x = torch.randn(5, matrix.cols)
         out = quantized_linear(x, matrix, None)
         ours = dequantize(matrix)
-        assert torch.allclose(out, x @ ours.T, rtol=1e-6, atol=1e-6), kind.name
+        assert torch.equal(out, _dense_gemm(x, ours)), kind.name
         # the K-quants' scales rounded to float16 are the one difference from the reference
         allowed = x.abs() @ (ours - reference).abs().T + 1e-5 * (x.abs() @ ours.abs().T)
         assert ((out - x @ reference.T).abs() <= allowed).all(), kind.name
@@ -162,7 +171,7 @@ def test_torch_path_dequantizes_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(quantized_linear(x, matrix, None), first) and calls == []  # kept from the loop's call
     bf16 = quantized_linear(x.bfloat16(), matrix, None)
     assert quantized_linear(x.bfloat16(), matrix, None).dtype == torch.bfloat16 and calls == [torch.bfloat16]
-    assert torch.equal(bf16, F.linear(x.bfloat16(), ours.bfloat16()))
+    assert torch.equal(bf16, _dense_gemm(x.bfloat16(), ours.bfloat16()))
 
 
 def _random_codes(bits: int, block: int, symmetric: bool, rows: int = 70, cols: int = 96) -> BlockCodes:
@@ -264,11 +273,11 @@ def test_the_avx2_kernel_equals_the_vnni_one_bit_for_bit(bits: int, block: int, 
 
 
 @needs_kernel
-def test_large_float32_batches_take_torch_s_gemm_beside_the_avx2_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_float32_batches_take_the_dense_gemm_beside_the_avx2_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()
     torch.manual_seed(6)
     matrix, _ = _weight(Q.Q4_1, rows=70, blocks=3)
-    dense = F.linear(x := torch.randn(33, matrix.cols), dequantize(matrix))
+    dense = _dense_gemm(x := torch.randn(33, matrix.cols), dequantize(matrix))
     kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
     assert torch.equal(quantized_linear(x[:32], matrix, None), kernel[:32])
     assert torch.equal(quantized_linear(x, matrix, None), kernel if packed.vnni_available() else dense)

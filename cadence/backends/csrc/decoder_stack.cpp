@@ -8,9 +8,9 @@
 // the outputs are the Python loop's, bit for bit, and each op costs a dispatcher call (well under
 // a microsecond). Kernels are reached through the dispatcher, so their sources stay as they are.
 //
-// Linear: one linear layer's weight as pack_weights left it (a plain weight for F.linear, the
-// bf16 GEMM's panels, or quantized matrices stacked along the output rows). DecoderStack: the
-// layers' weights and shapes, and forward() over a step's hidden states.
+// Linear: one linear layer's weight as pack_weights left it (a plain weight for F.linear, one in
+// oneDNN's layout, the bf16 GEMM's panels, or quantized matrices stacked along the output rows).
+// DecoderStack: the layers' weights and shapes, and forward() over a step's hidden states.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -42,6 +42,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const Opt
       // the AVX2 kernel's library where the VNNI one does not run (cpu_kernels.py loads it first)
       __builtin_cpu_supports("avx512vnni") ? "cadence_cpu::quant_linear" : "cadence_avx2::quant_linear");
   return op.call(x, packed, bias, rows, bits, block, symmetric);
+}
+
+// x @ W.T + bias over a plain weight (F.linear) or one in oneDNN's layout (cadence/backends/onednn.py).
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias) {
+  if (!weight.is_mkldnn()) return at::linear(x, weight, bias);
+  static const auto op =
+      kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
+                        c10::List<c10::optional<c10::Scalar>>, c10::optional<c10::string_view>)>(
+          "mkldnn::_linear_pointwise");
+  return op.call(x, weight, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::string_view(""));
 }
 
 void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -92,9 +102,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 }
 
 // The kinds of weight, as cadence/distributed/layers.py: linear() tells them apart.
-constexpr int64_t kDense = 0;   // weights = {W [N, K]}: F.linear
+constexpr int64_t kDense = 0;   // weights = {W [N, K]}, plain or oneDNN's: dense_linear
 constexpr int64_t kPanels = 1;  // weights = {packed}: bf16_linear
-constexpr int64_t kQuant = 2;   // weights = one packed matrix per part; parts: kPartInts per part
+// weights = one packed matrix per part, then (a row limit) each part's dense weight; parts: kPartInts
+// per part, then the most rows the kernel takes (-1: every batch; more go to the dense weights, as
+// cadence/quantization/packed.py: quantized_linear sends them)
+constexpr int64_t kQuant = 2;
 constexpr int64_t kPartInts = 6;  // rows, cols, padded cols, bits, block, symmetric
 
 struct Linear : torch::CustomClassHolder {
@@ -109,24 +122,37 @@ struct Linear : torch::CustomClassHolder {
       : kind(kind), weights(std::move(weights)), bias(std::move(bias)), parts(std::move(parts)),
         out_features(out_features) {
     TORCH_CHECK(kind == kDense || kind == kPanels || kind == kQuant, "Linear: unknown kind ", kind);
-    TORCH_CHECK(!this->weights.empty() && (kind == kQuant || this->weights.size() == 1),
-                "Linear: one weight, or one per quantized part");
-    TORCH_CHECK(kind != kQuant || this->parts.size() == kPartInts * this->weights.size(),
-                "Linear: ", kPartInts, " numbers per quantized part");
+    if (kind != kQuant) {
+      TORCH_CHECK(this->weights.size() == 1, "Linear: one weight");
+      return;
+    }
+    const size_t n = this->parts.size() / kPartInts;
+    TORCH_CHECK(n >= 1 && this->parts.size() == kPartInts * n + 1, "Linear: ", kPartInts,
+                " numbers per quantized part, then a row limit");
+    TORCH_CHECK(this->weights.size() == (kernel_rows() < 0 ? n : 2 * n),
+                "Linear: a weight per quantized part, and a dense one each with a row limit");
   }
+
+  int64_t kernel_rows() const { return parts.back(); }
 
   // x [T, K] -> [T, out_features], as cadence/distributed/layers.py: linear() computes it.
   at::Tensor forward(const at::Tensor& x) const {
-    if (kind == kDense) return at::linear(x, weights[0], bias);
+    if (kind == kDense) return dense_linear(x, weights[0], bias);
     if (kind == kPanels) return bf16_linear(x, weights[0], bias, out_features);
+    const size_t n = parts.size() / kPartInts;
+    const bool dense = kernel_rows() >= 0 && x.size(0) > kernel_rows();
     std::vector<at::Tensor> outs;
     int64_t first_row = 0;
-    for (size_t i = 0; i < weights.size(); ++i) {
+    for (size_t i = 0; i < n; ++i) {
       const int64_t* part = parts.data() + kPartInts * i;
       const int64_t rows = part[0], cols = part[1], padded = part[2];
-      const at::Tensor input = padded != cols ? at::constant_pad_nd(x, {0, padded - cols}, 0) : x;
       const OptTensor part_bias = bias ? OptTensor(bias->narrow(0, first_row, rows)) : OptTensor();
-      outs.push_back(quant_linear(input, weights[i], part_bias, rows, part[3], part[4], part[5] != 0));
+      if (dense) {
+        outs.push_back(dense_linear(x, weights[n + i], part_bias));
+      } else {
+        const at::Tensor input = padded != cols ? at::constant_pad_nd(x, {0, padded - cols}, 0) : x;
+        outs.push_back(quant_linear(input, weights[i], part_bias, rows, part[3], part[4], part[5] != 0));
+      }
       first_row += rows;
     }
     return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
@@ -134,7 +160,7 @@ struct Linear : torch::CustomClassHolder {
 
   // LoRA adapters' slots (cadence/lora/layer_slots.py: LoRASlots.packed): A of every slot
   // [slots * width, K] and B [out_features, slots * width], and each slot's A [width, K] and B
-  // [out_features, width], each a plain weight or the bf16 GEMM's panels; ``lora_parts`` picks the
+  // [out_features, width], each a plain weight, oneDNN's or the bf16 GEMM's panels; ``lora_parts`` picks the
   // step's mask of this layer's part count.
   OptTensor lora_a, lora_b;
   std::vector<at::Tensor> slot_a, slot_b;
@@ -169,7 +195,7 @@ struct Linear : torch::CustomClassHolder {
   }
 
   static at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, int64_t rows) {
-    return weight.dim() == 4 ? bf16_linear(x, weight, OptTensor(), rows) : at::linear(x, weight);
+    return weight.dim() == 4 ? bf16_linear(x, weight, OptTensor(), rows) : dense_linear(x, weight, OptTensor());
   }
 };
 

@@ -74,7 +74,9 @@ void score(const Shape s, const float* q, const T* keys, const int64_t* blocks, 
            float* scores /* [group][seq_len] */, const Upcoming<T>& next) {
   const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim, first_block = begin / s.block_size;
   const int64_t num_blocks = (seq_len + s.block_size - 1) / s.block_size - first_block;
+#if defined(__AVX512F__)
   __m512 k[16];
+#endif
   for (int64_t first = first_block * s.block_size, b = first_block; first < seq_len; first += s.block_size, ++b) {
     const T* block = keys + blocks[b] * block_elems;
     // this block's share of the next task's blocks
@@ -86,12 +88,28 @@ void score(const Shape s, const float* q, const T* keys, const int64_t* blocks, 
     if (first + s.block_size < seq_len) prefetch_block(keys + blocks[b + 1] * block_elems, block_elems * sizeof(T));
     const int64_t n = std::min(s.block_size, seq_len - first);
     for (int64_t t = std::max(int64_t{0}, begin - first); t < n; ++t) {
+#if defined(__AVX512F__)
       for (int64_t c = 0; c < s.chunks; ++c) k[c] = load16(block + t * dim + c * 16);
       for (int64_t g = 0; g < s.group; ++g) {
         __m512 acc = _mm512_mul_ps(k[0], _mm512_loadu_ps(q + g * dim));
         for (int64_t c = 1; c < s.chunks; ++c) acc = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(q + g * dim + c * 16), acc);
         scores[g * seq_len + first + t] = _mm512_reduce_add_ps(acc);
       }
+#else  // the same sums in native halves (vec.h: load8x2); the key is reread from L1 per query head
+      const T* key = block + t * dim;
+      for (int64_t g = 0; g < s.group; ++g) {
+        const float* qg = q + g * dim;
+        __m256 k_lo, k_hi;
+        load8x2(key, k_lo, k_hi);
+        __m256 lo = _mm256_mul_ps(k_lo, _mm256_loadu_ps(qg)), hi = _mm256_mul_ps(k_hi, _mm256_loadu_ps(qg + 8));
+        for (int64_t c = 1; c < s.chunks; ++c) {
+          load8x2(key + c * 16, k_lo, k_hi);
+          lo = _mm256_fmadd_ps(k_lo, _mm256_loadu_ps(qg + c * 16), lo);
+          hi = _mm256_fmadd_ps(k_hi, _mm256_loadu_ps(qg + c * 16 + 8), hi);
+        }
+        scores[g * seq_len + first + t] = reduce_add8x2(lo, hi);
+      }
+#endif
     }
   }
 }
@@ -133,18 +151,34 @@ void weigh(const Shape s, const float* probs, const T* values, const int64_t* bl
            float* acc /* [group][head_dim] */) {
   const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim, first_block = begin / s.block_size;
   std::fill(acc, acc + s.group * dim, 0.0f);
+#if defined(__AVX512F__)
   __m512 v[16];
+#endif
   for (int64_t first = first_block * s.block_size, b = first_block; first < seq_len; first += s.block_size, ++b) {
     const T* block = values + blocks[b] * block_elems;
     if (first + s.block_size < seq_len) prefetch_block(values + blocks[b + 1] * block_elems, block_elems * sizeof(T));
     const int64_t n = std::min(s.block_size, seq_len - first);
     for (int64_t t = std::max(int64_t{0}, begin - first); t < n; ++t) {
+#if defined(__AVX512F__)
       for (int64_t c = 0; c < s.chunks; ++c) v[c] = load16(block + t * dim + c * 16);
       for (int64_t g = 0; g < s.group; ++g) {
         const __m512 p = _mm512_set1_ps(probs[g * seq_len + first + t]);
         float* row = acc + g * dim;
         for (int64_t c = 0; c < s.chunks; ++c) _mm512_storeu_ps(row + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(row + c * 16)));
       }
+#else  // as score() does
+      const T* value = block + t * dim;
+      for (int64_t g = 0; g < s.group; ++g) {
+        const __m256 p = _mm256_set1_ps(probs[g * seq_len + first + t]);
+        float* row = acc + g * dim;
+        for (int64_t c = 0; c < s.chunks; ++c) {
+          __m256 v_lo, v_hi;
+          load8x2(value + c * 16, v_lo, v_hi);
+          _mm256_storeu_ps(row + c * 16, _mm256_fmadd_ps(p, v_lo, _mm256_loadu_ps(row + c * 16)));
+          _mm256_storeu_ps(row + c * 16 + 8, _mm256_fmadd_ps(p, v_hi, _mm256_loadu_ps(row + c * 16 + 8)));
+        }
+      }
+#endif
     }
   }
 }

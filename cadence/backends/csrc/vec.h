@@ -142,6 +142,32 @@ inline __m512 round_to<at::BFloat16>(__m512 v) {
   return widen(to_bf16_bits(v));
 }
 
+#if !defined(__AVX512F__)
+// Native AVX2 halves (lanes 0-7, 8-15) of a 16-float vector, for the loops where SIMDe's 512-bit
+// values, which live in memory, cost most: decode attention's dot products and weighted values (the
+// compiler kept them on the stack, and a step of 32 decodes spent about half its time there). Lane
+// for lane the same operations as the 512-bit code, so the results are the same bit for bit.
+inline void load8x2(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+
+inline __m256 widen8(__m128i bf16) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16), 16)); }
+
+inline void load8x2(const at::BFloat16* p, __m256& lo, __m256& hi) {
+  lo = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  hi = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+
+// _mm512_reduce_add_ps of the vector with halves lo and hi, in the order of the emulated one above.
+inline float reduce_add8x2(__m256 lo, __m256 hi) {
+  const __m256 half = _mm256_add_ps(hi, lo);
+  const __m128 quarter = _mm_add_ps(_mm256_extractf128_ps(half, 1), _mm256_castps256_ps128(half));
+  const __m128 pairs = _mm_add_ps(quarter, _mm_shuffle_ps(quarter, quarter, 0x4E));
+  return _mm_cvtss_f32(pairs) + _mm_cvtss_f32(_mm_shuffle_ps(pairs, pairs, 1));
+}
+#endif
+
 // e^x, Cephes' expf polynomial (relative error ~1e-7); x is clamped to [-87, 88].
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
