@@ -1,11 +1,13 @@
-"""Attention over the paged KV cache: C++ kernels on CPUs with AVX-512, torch ops elsewhere.
+"""Attention over the paged KV cache: C++ kernels on x86 CPUs, torch ops elsewhere.
 
 The reference backend and the CPU default. Each layer writes the step's K/V into the cache, then
 attends. On CPUs with AVX-512 (bf16/fp32, head_dim a multiple of 16) both are C++ kernels
 (``csrc/paged_attention.cpp``): every query token, decode or prefill, attends to its own request's
 cached keys up to its position, read in place through the block table (SmolLM2 here: 11.7 ms per
 batch-64 decode step against 31 ms for the torch path, 57 ms per 2,048-token prefill step against
-145-190 ms for per-prompt SDPA). Elsewhere every decode
+145-190 ms for per-prompt SDPA). With AVX2 only, the kernel's prefill tiles (over SIMDe) are
+slower than SDPA, so there a step's decodes take the kernel and its prefills torch's ops
+(``cpu_kernels.attention_takes_prefills``). Elsewhere every decode
 (query length 1) of the batch runs at once as two batched matmuls over keys gathered block by
 block, and each prefill (query length > 1) in its own ``scaled_dot_product_attention`` call.
 Everything that does not change between layers (which requests decode, masks, cache blocks to
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import ClassVar, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -191,22 +193,22 @@ class SDPABackend(AttentionBackend):
         metadata: object,
     ) -> torch.Tensor:
         meta = cast(SDPAMetadata, metadata)
-        ops = cpu_ops() if _kernel_reads(q, k_cache) and (not meta.prefills or attention_takes_prefills()) else None
-        if ops is not None:
+        ops = cpu_ops() if _kernel_reads(q, k_cache) else None
+        if ops is not None and (not meta.prefills or attention_takes_prefills()):
             # Every token, decode or prefill, attends to its own request's cache up to its position.
             ops.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = q.new_empty(q.shape)
-            ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.token_requests, meta.token_seq_lens,
-                                self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0)
-            return out
+            return self._kernel(ops, q, k_cache, v_cache, meta.block_table, meta.token_requests, meta.token_seq_lens)
         num_kv_heads, _, block_size, head_dim = k_cache.shape
         flat_k, flat_v = k_cache.view(num_kv_heads, -1, head_dim), v_cache.view(num_kv_heads, -1, head_dim)
         flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        gather = meta.gather_window(block_size, self.sliding_window)
         out = torch.empty_like(q)
-        if gather.decode_blocks is not None:
-            rows = meta.decode_tokens
+        rows = meta.decode_tokens
+        gather = meta.gather_window(block_size, self.sliding_window)
+        if ops is not None and meta.num_decodes:  # the kernel's decodes beside torch's prefills (AVX2)
+            out[rows] = self._kernel(ops, q[rows], k_cache, v_cache, meta.block_table, meta.decode_requests,
+                                     meta.decode_seq_lens)
+        elif gather.decode_blocks is not None:
             out[rows] = self._decode(q[rows], k_cache, v_cache, gather.decode_blocks, gather.decode_bias)
         for prefill, context, mask in zip(meta.prefills, gather.prefill, gather.masks, strict=True):
             if context is None:
@@ -214,6 +216,15 @@ class SDPABackend(AttentionBackend):
             else:
                 keys, values = flat_k.index_select(1, context), flat_v.index_select(1, context)
             out[prefill.tokens] = self._prefill(q[prefill.tokens], keys, values, mask)
+        return out
+
+    def _kernel(self, ops: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_table: torch.Tensor, requests: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """The paged-attention kernel over rows ``q`` of ``requests`` (block-table rows) that see
+        ``seq_lens`` keys each."""
+        out = q.new_empty(q.shape)
+        ops.paged_attention(out, q, k_cache, v_cache, block_table, requests, seq_lens, self.scale,
+                            self.sliding_window or 0, self.logits_soft_cap or 0.0)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
