@@ -102,10 +102,14 @@ def _check_shape(tensor: CheckpointTensor, expected: tuple[int, ...]) -> None:
         raise ValueError(f"checkpoint shape {tuple(tensor.shape)} does not match the model's {expected}")
 
 
-def _copy(target: torch.Tensor, tensor: CheckpointTensor, expected: tuple[int, ...], index: Any) -> None:
+def _copy(target: torch.Tensor, tensor: CheckpointTensor, expected: tuple[int, ...], index: Any,
+          rows: slice = slice(None)) -> None:
+    """``target[rows] = tensor[index]``, once ``tensor`` has the ``expected`` shape."""
     _check_shape(tensor, expected)
+    if target.is_mkldnn:
+        raise ValueError("this layer's weight is prepacked (pack_weights): load weights before packing")
     with torch.no_grad():
-        target.copy_(tensor[index])
+        target[rows].copy_(tensor[index])
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -137,10 +141,10 @@ class ColumnParallelLinear(ShardedLayer):
 
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
         part = self.parts[shard]
-        target = getattr(self, name)[self._offsets[shard]:self._offsets[shard + 1]]
         expected = (part.total, self.in_features) if name == "weight" else (part.total,)
         if name != "weight" or not self.stage(tensor, expected, shard, part.indices, slice(None)):
-            _copy(target, tensor, expected, part.indices)
+            rows = slice(self._offsets[shard], self._offsets[shard + 1])
+            _copy(getattr(self, name), tensor, expected, part.indices, rows)
 
 
 class RowParallelLinear(ShardedLayer):
@@ -232,7 +236,7 @@ class VocabParallelEmbedding(ShardedLayer):
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
         expected = (self.vocab_size, self.hidden_size)
         if not self.stage(tensor, expected, shard, self.rows.indices, slice(None)):
-            _copy(self.weight[:self.rows.size], tensor, expected, self.rows.indices)
+            _copy(self.weight, tensor, expected, self.rows.indices, slice(0, self.rows.size))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix | QuantizedRowStack, bias: torch.Tensor | None,

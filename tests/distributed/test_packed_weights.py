@@ -155,3 +155,6 @@ def test_float32_layers_take_onednn_s_gemm_on_x86() -> None:
     for have, want, reference in zip(got, packed, plain, strict=True):
         assert torch.equal(have, want)
         torch.testing.assert_close(have, reference)
+    if packs:
+        with pytest.raises(ValueError, match="load weights before packing"):
+            row.load("weight", torch.zeros(24, 48), 0)
