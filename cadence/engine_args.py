@@ -87,7 +87,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one prompt's chunk per step (0: none)"))
     target_itl_ms: float | None = field(default=None, metadata=_flag(
         "size prefill chunks so that a step with decodes ends within this many ms, or twice the decodes' "
-        f"own time if longer (0: off; default {DEFAULT_TARGET_ITL_MS['offline']:g}, "
+        "own time if longer (of the batch the waiting requests will make, while they wait; step costs timed at "
+        f"start) (0: off; default {DEFAULT_TARGET_ITL_MS['offline']:g}, "
         f"{DEFAULT_TARGET_ITL_MS['serving']:g} for serve; docs/performance.md)"))
     policy: str = field(default="fcfs", metadata=_flag("scheduling policy (an entry point in cadence.policies)"))
     policy_options: dict[str, str] = field(default_factory=dict, metadata=_flag(

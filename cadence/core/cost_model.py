@@ -267,11 +267,11 @@ def fit_features(
     *,
     features: Iterable[str] = FEATURES,
     relative: bool = True,
-    offset: float = 0.0,
+    offset: float | np.ndarray = 0.0,
 ) -> dict[str, float]:
     """:func:`fit_cost_model`'s coefficients of ``features``, for steps given as rows of feature values
     (:data:`FEATURES` order) and their times. ``offset`` is a part of every step's time already known
-    (features held at known coefficients): ``features`` are fitted to the rest.
+    (features held at known coefficients; one value, or one per step): ``features`` are fitted to the rest.
 
     :raises ValueError: with fewer samples than features, a non-positive time, or a fit that does not
         converge.

@@ -20,6 +20,7 @@ from cadence.core.scheduler import Scheduler
 from cadence.core.scheduler_actor import SchedulerActor
 from cadence.core.scheduling_trace import SchedulingTrace, ranked_path
 from cadence.core.speculation import SpecDecoding
+from cadence.core.start_fit import fit_at_start
 from cadence.core.step_timing import StepTiming
 from cadence.core.structured_output import StructuredOutputManager
 from cadence.core.warm_up import warm_up
@@ -64,12 +65,15 @@ class EngineCore:
         # One allocator per KV cache group, as the workers laid out their caches.
         groups = kv_cache_groups_of(hf_config, config.cache.hybrid_kv_cache)
         warm_up(executor, config, hf_config, groups.windows)
+        # The latency target's step costs, timed on these workers (whole-prefill policies ignore it).
+        costs = (fit_at_start(executor, config, hf_config.vocab_size, groups.windows)
+                 if sched.target_itl_ms and policy.chunked else None)
         allocator = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                    windows=groups.windows)
         # Loads the tokenizer and xgrammar only when the first constrained request arrives.
         grammars = StructuredOutputManager(functools.partial(load_tokenizer, config.model.path), hf_config.vocab_size)
         speculation = None if config.speculative is None else SpecDecoding(config.speculative)
-        return cls(config, hf_config, executor, allocator, Scheduler(sched, allocator, policy, grammars,
+        return cls(config, hf_config, executor, allocator, Scheduler(sched, allocator, policy, grammars, costs,
                                                                      trace=scheduling_trace_of(config),
                                                                      speculation=speculation))
 

@@ -8,9 +8,8 @@ in the policy's order until one cannot be (head of line). Preemption is by recom
 a waiting request outranks a running one and seats or blocks ran out (``preempt_for``); a step
 that did (a) admits only requests of kind (b). It owns the KV allocator (docs/architecture.md).
 
-A constrained request is admitted once its grammar has compiled (``structured_output.py``); with
-``--speculative-config`` a decode also verifies drafts (``speculation.py``); ``--trace-scheduling``
-sends every decision about each request to a ``SchedulingTrace``.
+A constrained request is admitted once its grammar has compiled (``structured_output.py``); drafts
+(``--speculative-config``) are verified with decodes; ``--trace-scheduling`` records every decision.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ class Scheduler:
         # The inter-token latency target sizes prefill chunks, which whole-prefill policies never cut.
         self.step_budget = (StepBudget(config.target_itl_ms / 1000.0, cost_model)
                             if config.target_itl_ms and policy.chunked else None)
-        self._last_shape: StepShape | None = None
+        self.last_shape: StepShape | None = None  # what the last step computed (kept under an ITL target)
         self._last_num_tokens = 0
         self.trace = trace  # --trace-scheduling: every decision about each request, on the policy's clock
         self.speculation = speculation  # --speculative-config: drafts verified with decodes
@@ -156,7 +155,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.trace is not None:
             self.trace.begin_step(self._step_id + 1, self.policy.now())
-        step = StepPlan(self.config.max_num_batched_tokens, self.step_budget, self.running)
+        step = StepPlan(self.config.max_num_batched_tokens, self.step_budget, self.running,
+                        min(len(self.running) + len(self.waiting), self.config.max_num_seqs))
         self._serve_running(step)
         if self.speculation is not None:  # with what the running requests' own tokens left
             self.speculation.add_drafts(step, self.requests, self.allocator, self.policy, self._active_grammars())
@@ -272,8 +272,8 @@ class Scheduler:
 
     def observe_step_time(self, seconds: float, draft_seconds: float = 0.0) -> None:
         """How long the last step took (wall or modelled), ``draft_seconds`` of it proposing drafts."""
-        if self.step_budget is not None and self._last_shape is not None:
-            self.step_budget.observe(self._last_shape, seconds)
+        if self.step_budget is not None and self.last_shape is not None:
+            self.step_budget.observe(self.last_shape, seconds)
         if self.speculation is not None:
             self.speculation.observe(self._last_num_tokens, seconds, draft_seconds)
 
@@ -320,7 +320,7 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
         if self.step_budget is not None:
-            self._last_shape = step.shape(self.requests)
+            self.last_shape = step.shape(self.requests)
         self._last_num_tokens = sum(step.scheduled.values())
         preempted_ids = [r.request_id for r in step.preempted if r.request_id in self._on_worker]
         self._on_worker.difference_update(preempted_ids)
@@ -355,7 +355,7 @@ class Scheduler:
         """Count ``num_steps`` decode-only steps run in bulk (``sim/decode_run.py``); the ids finished
         since the last step, which the first of them would have told the worker."""
         self._step_id += num_steps
-        self._last_shape, self._last_num_tokens = last_shape, len(self.running)
+        self.last_shape, self._last_num_tokens = last_shape, len(self.running)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return finished
 

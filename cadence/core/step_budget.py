@@ -6,14 +6,17 @@ Every decode in a step waits for the whole step, prefill chunks included: a 512-
 default model costs about eight decode steps, and every streaming client sees that gap. So when a
 step has decodes, the prefills in it get the time the decodes leave under the target, never less
 than the decodes' own time (a long decode batch must not starve new prompts: their share of a step
-is at least half). A step without decodes runs the whole token budget.
+is at least half), nor less than what the batch the waiting requests will join leaves them of such a
+step. A step without decodes runs the whole token budget.
 
 Step times come from a :class:`~cadence.core.cost_model.CostModel` refitted as the engine runs: the
 engine (or the simulator, with its modelled times) reports each step's shape and duration, and every
 ``refit_every`` steps the last ``window`` of them are fitted again. Features the window never varied
 (no prefill in it, say) keep their previous coefficients, so a run of decodes cannot make prefills
 look free, and their share of the steps' times, so that one batch size held for a whole window does
-not price its decodes twice. Until the first refit the built-in (or given) model stands in.
+not price its decodes twice; a feature the window moves only as others do (a prompt, then one
+request decoding) is held the same way. Until the first refit the given model stands in: the engine
+core's, timed on its workers at start (``core/start_fit.py``), else the built-in one.
 """
 
 from __future__ import annotations
@@ -83,15 +86,27 @@ class StepBudget:
 
     # ---- sizing a step ------------------------------------------------------------------------
 
-    def prefill_time(self, decode_ends: Sequence[int]) -> float:
+    def prefill_time(self, decode_ends: Sequence[int], batch: int = 0) -> float:
         """Seconds the prefills of a step may take beside decodes whose contexts end at ``decode_ends``
         (each decode's position after its token): what the decodes leave of the target, and never
-        less than the decodes' own time; ``inf`` for a step without decodes."""
+        less than the decodes' own time; ``inf`` for a step without decodes.
+
+        ``batch`` is the decode batch the requests in the engine will make once those waiting are
+        admitted. Its steps will then take up to twice its decodes' time, so no step before is held
+        shorter than that: while a queue is admitted, a step bound to the target would only slow the
+        admission (on a CPU where 32 decodes alone take longer than the target, the burst's last
+        prompts waited ten times longer), without sparing the streams a gap they would not see after.
+        """
         if not decode_ends:
             return math.inf
-        n = len(decode_ends)
-        decodes = self.model.step_time(StepShape(num_seqs=n, decode_seqs=n, kv_tokens=sum(decode_ends), sampled=n))
-        return max(self.target_s - decodes, decodes)
+        n, kv_tokens = len(decode_ends), sum(decode_ends)
+        decodes = self._decode_time(n, kv_tokens)
+        future = self._decode_time(batch, kv_tokens * batch // n) if batch > n else decodes
+        return max(self.target_s, 2 * future) - decodes
+
+    def _decode_time(self, num_seqs: int, kv_tokens: int) -> float:
+        return self.model.step_time(StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, kv_tokens=kv_tokens,
+                                              sampled=num_seqs))
 
     def prefill_tokens(self, seconds: float, start: int) -> int:
         """The longest chunk, starting at position ``start``, that one request computes in ``seconds``."""
@@ -130,22 +145,50 @@ ONLINE_FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "draft
 
 def refit(model: CostModel, features: np.ndarray, times: np.ndarray) -> CostModel:
     """A model of :data:`ONLINE_FEATURES` fitted to steps (rows of :data:`FEATURES` values and their
-    times); a feature they never vary keeps ``model``'s coefficient, and its share of their times."""
+    times); a feature they never vary, or vary only as the others do, keeps ``model``'s coefficient
+    and its share of their times."""
     if not len(times) or _predicts(model, features, times):
         return model
     low, high = features.min(axis=0), features.max(axis=0)
     varied = [name for name, lo, hi in zip(FEATURES, low, high, strict=True)
               if name == "const" or (name in ONLINE_FEATURES and hi > lo)]
+    # Two columns that both vary, one of them the constant, are always told apart.
+    fitted_names = _separable(features, varied) if len(varied) > 2 else varied
     kept = {name: model.coefficients.get(name, 0.0) for name in ONLINE_FEATURES}
     # A feature held at one value costs every step alike, as the constant term does: fitted with it,
     # that term would learn its share a second time (a decode-only window at one batch size would
-    # then price every decode twice).
-    held = sum(kept[name] * low[i] for i, name in enumerate(FEATURES) if name in kept and name not in varied)
+    # then price every decode twice). One the window moves only with the others is held too: the
+    # steps cannot tell its cost from theirs (a window of a prompt and then one request decoding
+    # gave a decode the cost of none, and streams their steps' length ignored).
+    held_names = [name for name in kept if name not in fitted_names]
+    held = features[:, [_COLUMN[name] for name in held_names]] @ np.array([kept[name] for name in held_names])
     try:
-        fitted = fit_features(features, times, features=varied, offset=held)
+        fitted = fit_features(features, times, features=fitted_names, offset=held)
     except ValueError:  # too few samples for the features, or a fit that did not converge
         return model
     return CostModel({**kept, **fitted}, {**model.metadata, "source": "refitted while running"})
+
+
+def _separable(features: np.ndarray, names: list[str]) -> list[str]:
+    """Of ``names`` in turn, those whose columns of ``features`` are independent of the ones before:
+    the largest set whose costs the steps tell apart. A column (scaled to unit length) within 1e-5
+    of the span of those kept before it counts as in it. Cholesky's steps over the columns' Gram
+    matrix, skipping the columns that add nothing (a handful of columns: plain floats are the fastest)."""
+    x = features[:, [_COLUMN[name] for name in names]]
+    gram = x.T @ x
+    scale = np.sqrt(np.diagonal(gram))
+    g = (gram / np.outer(scale, scale)).tolist()
+    kept: list[int] = []
+    rows: dict[int, list[float]] = {}  # each kept column's row of the factor, over the kept before it
+    for i in range(len(names)):
+        row: list[float] = []
+        for n, j in enumerate(kept):  # forward substitution: L w = g[kept, i]
+            row.append((g[j][i] - sum(a * b for a, b in zip(rows[j][:n], row, strict=True))) / rows[j][n])
+        rest = g[i][i] - sum(w * w for w in row)
+        if rest > 1e-10:
+            rows[i] = [*row, math.sqrt(rest)]
+            kept.append(i)
+    return [names[i] for i in kept]
 
 
 def _predicts(model: CostModel, features: np.ndarray, times: np.ndarray) -> bool:
@@ -158,4 +201,5 @@ def _predicts(model: CostModel, features: np.ndarray, times: np.ndarray) -> bool
 
 
 _ONLINE = frozenset(ONLINE_FEATURES)
-_KV_TOKENS = FEATURES.index("kv_tokens")
+_COLUMN = {name: i for i, name in enumerate(FEATURES)}
+_KV_TOKENS = _COLUMN["kv_tokens"]

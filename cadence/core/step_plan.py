@@ -18,6 +18,7 @@ class StepPlan:
     budget: int  # tokens left
     step_budget: StepBudget | None = None
     running: InitVar[Sequence[Request]] = ()  # when the step began: its decodes set the prefills' time
+    batch: InitVar[int] = 0  # the decode batch the engine's requests will make (StepBudget.prefill_time)
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # per KV cache group
     preempted: list[Request] = field(default_factory=list)
@@ -27,10 +28,10 @@ class StepPlan:
     time_left: float = math.inf
     has_prefill: bool = False
 
-    def __post_init__(self, running: Sequence[Request]) -> None:
+    def __post_init__(self, running: Sequence[Request], batch: int) -> None:
         if self.step_budget is not None:
             self.time_left = self.step_budget.prefill_time(
-                [r.num_tokens for r in running if r.num_tokens - r.num_computed_tokens == 1])
+                [r.num_tokens for r in running if r.num_tokens - r.num_computed_tokens == 1], batch)
 
     def token_budget(self, request: Request, start: int) -> int:
         """What ``request``, computed up to ``start``, may draw on: the tokens left, and for a prefill

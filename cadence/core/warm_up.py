@@ -64,9 +64,8 @@ def warm_up(executor: Executor, config: EngineConfig, hf_config: PretrainedConfi
     """Run the scratch requests through ``executor`` until they finish; the steps they took.
     ``windows`` are the KV cache groups' sliding windows, as the engine's allocator has them."""
     started = time.perf_counter()
-    allocator = KVCacheManager(executor.num_blocks, config.cache.block_size, False, windows=windows)
-    sched = config.scheduler
-    scheduler = Scheduler(sched, allocator, load_policy("fcfs", PolicyContext.of(sched, WallClock())))
+    scheduler = scratch_scheduler(executor, config, windows)
+    allocator = scheduler.allocator
     for request in _requests(config, hf_config.vocab_size, allocator.capacity_tokens // config.cache.block_size):
         scheduler.add_request(request)
     steps: list[WarmUpStep] = []
@@ -82,6 +81,14 @@ def warm_up(executor: Executor, config: EngineConfig, hf_config: PretrainedConfi
         executor.execute_model(scheduler.schedule())
     logger.info("warmed up in %.1f s: %d steps", time.perf_counter() - started, len(steps))
     return steps
+
+
+def scratch_scheduler(executor: Executor, config: EngineConfig, windows: Sequence[int | None]) -> Scheduler:
+    """An FCFS scheduler, with the engine's settings, of scratch requests over the workers' cache
+    (empty before the engine core is ready): it shares none of the engine's state."""
+    sched = config.scheduler
+    allocator = KVCacheManager(executor.num_blocks, config.cache.block_size, False, windows=windows)
+    return Scheduler(sched, allocator, load_policy("fcfs", PolicyContext.of(sched, WallClock())))
 
 
 def _requests(config: EngineConfig, vocab_size: int, free_blocks: int) -> list[Request]:

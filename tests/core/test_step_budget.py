@@ -35,6 +35,18 @@ def test_prefill_time_is_what_the_decodes_leave_of_the_target_and_never_less_tha
     assert budget.prefill_time([3] * 30) == pytest.approx(0.070)
 
 
+def test_while_a_queue_is_admitted_steps_may_take_twice_the_decodes_of_the_batch_it_will_make() -> None:
+    budget = StepBudget(0.050, LINEAR)
+    # 3 decodes (16 ms) with 27 requests to join them: 30 decodes will take 70 ms, their steps 140.
+    assert budget.prefill_time([5, 9, 7], batch=30) == pytest.approx(0.140 - 0.016)
+    assert budget.prefill_time([5, 9, 7], batch=10) == pytest.approx(0.060 - 0.016)
+    # A batch whose steps fit the target changes nothing, nor one no larger than the decodes'.
+    assert budget.prefill_time([5, 9, 7], batch=7) == budget.prefill_time([5, 9, 7], batch=3) == pytest.approx(0.034)
+    # The joining requests' contexts are counted as the decodes' average.
+    with_kv = StepBudget(0.050, CostModel({**LINEAR.coefficients, "kv_tokens": 0.001}))
+    assert with_kv.prefill_time([6, 6], batch=20) == pytest.approx(2 * (0.050 + 0.120) - (0.014 + 0.012))
+
+
 def test_the_chunk_fits_the_time_including_attention_over_its_start() -> None:
     linear = StepBudget(0.05, LINEAR)
     assert linear.prefill_tokens(0.0305, start=0) == 30
@@ -88,6 +100,22 @@ def test_a_window_at_one_batch_size_keeps_the_decodes_price_without_counting_it_
         truth.step_time(_shape(32, 3, 100)), rel=1e-9)
 
 
+def test_a_feature_that_moves_only_with_the_others_keeps_its_price() -> None:
+    """A prompt, then its request decoding alone (a first client's request): every step is the
+    prompt or one decode, so a decode's cost cannot be told from the step's. It is held, with its
+    share of each step, instead of being fitted to whatever the solver picks (it picked none)."""
+    truth = CostModel({"const": 0.009, "prefill_tokens": 2e-3, "decode_seqs": 3e-3, "kv_tokens": 2e-6})
+    prior = CostModel({**truth.coefficients, "decode_seqs": 1e-3})
+    window = _timed(truth, [_shape(131, 0, 0)] + [_shape(0, 1, 131 + j) for j in range(127)])
+    fitted = refit(prior, *window)
+    assert fitted.coefficients["decode_seqs"] == 1e-3
+    for shape in (_shape(131, 0, 0), _shape(0, 1, 140), _shape(0, 1, 250)):  # the window's own steps
+        assert fitted.step_time(shape) == pytest.approx(truth.step_time(shape), rel=1e-6)
+    # With a second batch size the decode's cost is told apart, and learnt.
+    both = _timed(truth, [_shape(131, 0, 0)] + [_shape(0, d, 131 + j) for d in (1, 8) for j in range(20)])
+    assert refit(prior, *both).coefficients["decode_seqs"] == pytest.approx(3e-3, rel=1e-6)
+
+
 def test_a_model_of_the_online_form_that_predicts_every_step_is_kept_as_it_is() -> None:
     online = CostModel({"const": 0.006, "decode_seqs": 1e-3, "kv_tokens": 2e-6, "prefill_tokens": 7e-4})
     steps = _timed(online, [_shape(p, d, 100 + d) for p in (0, 48) for d in (1, 3, 6)])
@@ -120,11 +148,12 @@ def test_observing_decodes_in_bulk_is_observing_them_in_turn() -> None:
 def test_observing_steps_refits_every_so_many() -> None:
     budget = StepBudget(0.05, CostModel.default(), refit_every=4)
     truth = CostModel({"const": 0.03, "prefill_tokens": 2e-3, "decode_seqs": 1e-3})
-    for prefill, decodes in ((16, 1), (64, 2), (0, 4), (8, 8)):
+    # Contexts that vary apart from the batch sizes: the KV term is told apart (and learnt as none).
+    for prefill, decodes, context in ((16, 1, 10), (64, 2, 30), (0, 4, 10), (8, 8, 20)):
         assert budget.model is not truth
-        budget.observe(_shape(prefill, decodes, 10), truth.step_time(_shape(prefill, decodes, 10)))
-    for name in ("const", "prefill_tokens", "decode_seqs"):
-        assert budget.model.coefficients[name] == pytest.approx(truth.coefficients[name], rel=1e-6)
+        budget.observe(_shape(prefill, decodes, context), truth.step_time(_shape(prefill, decodes, context)))
+    for name in ("const", "prefill_tokens", "decode_seqs", "kv_tokens"):
+        assert budget.model.coefficients[name] == pytest.approx(truth.coefficients.get(name, 0.0), abs=1e-9)
 
 
 def _scheduler(target_ms: float, chunked: bool = True, model: CostModel = LINEAR) -> Scheduler:
@@ -162,6 +191,18 @@ def test_a_step_with_decodes_gives_prefills_only_the_time_the_target_leaves() ->
     _step(unbounded)
     unbounded.add_request(_request("long", 200, 1000))
     assert _step(unbounded)["long"] == 200
+
+
+def test_a_queue_waiting_to_join_the_decodes_gets_the_time_its_batch_will_take() -> None:
+    scheduler = _scheduler(target_ms=40)
+    for i in range(4):
+        scheduler.add_request(_request(f"d{i}", 8, 100 + 10 * i))
+    _step(scheduler)
+    for i in range(12):
+        scheduler.add_request(_request(f"q{i}", 100, 1000 + 100 * i))
+    # 16 requests make a batch whose decodes take 42 ms: steps may take 84, 66 of it the prompt's.
+    assert _step(scheduler) == {**{f"d{i}": 1 for i in range(4)}, "q0": 66}
+    assert _step(scheduler) == {**{f"d{i}": 1 for i in range(4)}, "q0": 34, "q1": 32}
 
 
 def test_a_prompt_moves_by_a_token_a_step_even_when_no_token_fits() -> None:

@@ -1,0 +1,82 @@
+"""The latency target's first cost model, timed on the engine's own workers before ready."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import cadence.core.start_fit as start_fit
+from cadence.core.cost_model import CostModel, StepShape
+from cadence.core.engine_core import EngineCore
+from cadence.engine_args import EngineArgs
+from cadence.messages import ModelRunnerOutput, SchedulerOutput
+from cadence.models.kv_groups import kv_cache_groups_of
+
+# 4 ms a step, 1.5 ms a prompt token, 3 ms a decode: nothing like the built-in fit.
+TRUTH = CostModel({"const": 0.004, "prefill_tokens": 0.0015, "decode_seqs": 0.003})
+
+
+class _TimedExecutor:
+    """The tiny model's executor, whose steps take :data:`TRUTH`'s time on a clock of their own."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor, self.num_blocks, self.now = executor, executor.num_blocks, 0.0
+        self.shapes: list[StepShape] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        prompts = [step.num_scheduled_tokens[r.request_id] for r in step.new_requests]
+        decodes = [r.num_computed_tokens + 1 for r in step.cached_requests]
+        shape = StepShape(num_seqs=len(prompts) + len(decodes), prefill_tokens=sum(prompts), decode_seqs=len(decodes),
+                          kv_tokens=sum(decodes), prefills=len(prompts), sampled=len(prompts) + len(decodes))
+        if shape.num_seqs:
+            self.shapes.append(shape)
+        self.now += TRUTH.step_time(shape)
+        return self.executor.execute_model(step)
+
+
+def _core(make_tiny_model: Callable[..., Path], **overrides: Any) -> EngineCore:
+    return EngineCore.build(EngineArgs(model=str(make_tiny_model("llama")), dtype="float32", num_threads=1,
+                                       **overrides).create_config())
+
+
+def test_the_fit_recovers_the_workers_step_costs_from_a_prompt_and_two_decode_batches(
+        make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    core = _core(make_tiny_model, usage_context="serving", num_kv_blocks=64)
+    try:
+        timed = _TimedExecutor(core.executor)
+        monkeypatch.setattr(start_fit, "time", SimpleNamespace(perf_counter=timed.perf_counter))
+        groups = kv_cache_groups_of(core.hf_config, core.config.cache.hybrid_kv_cache)
+        model = start_fit.fit_at_start(timed, core.config, core.hf_config.vocab_size, groups.windows)  # type: ignore[arg-type]
+        # A 256-token prompt alone, one request decoding, 32 decoding (after their prompts' step).
+        assert [(s.prefill_tokens, s.decode_seqs) for s in timed.shapes] == (
+            [(256, 0)] + [(0, 1)] * 4 + [(32 * 4, 0)] + [(0, 32)] * 4)
+        for name in ("const", "prefill_tokens", "decode_seqs"):
+            assert model.coefficients[name] == pytest.approx(TRUTH.coefficients[name], rel=1e-6)
+        assert model.coefficients["kv_tokens"] == pytest.approx(0.0, abs=1e-12)
+        assert model.metadata["source"] == start_fit.SOURCE
+        assert core.executor.worker.runner.states == {}  # the scratch requests are gone
+    finally:
+        core.shutdown()
+
+
+def test_a_serving_engine_starts_its_latency_target_from_the_fit_and_an_offline_one_times_nothing(
+        make_tiny_model: Callable[..., Path]) -> None:
+    serving = _core(make_tiny_model, usage_context="serving", num_kv_blocks=64)
+    try:
+        assert serving.scheduler.step_budget is not None
+        assert serving.scheduler.step_budget.model.metadata["source"] == start_fit.SOURCE
+        assert not serving.scheduler.requests and serving.scheduler.allocator.num_free_blocks == 63
+    finally:
+        serving.shutdown()
+    offline = _core(make_tiny_model, num_kv_blocks=64)  # no latency target offline
+    try:
+        assert offline.scheduler.step_budget is None
+    finally:
+        offline.shutdown()
