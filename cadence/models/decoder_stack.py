@@ -144,7 +144,7 @@ def _native_linear(module: ColumnParallelLinear | RowParallelLinear, dtype: torc
             return None
         parts = weight.parts if isinstance(weight, QuantizedRowStack) else (weight,)
         numbers = [n for p in parts for n in (p.rows, p.cols, p.padded_cols, p.bits, p.block, int(p.symmetric))]
-        limit = kernel_row_limit(dtype)  # beyond it, quantized_linear's dense weights
+        limit = kernel_row_limit(weight, dtype)  # beyond it, quantized_linear's dense weights
         dense = [] if limit is None else [p.dense(dtype) for p in parts]
         return new(_QUANT, [p.packed for p in parts] + dense, bias, [*numbers, -1 if limit is None else limit],
                    out_features)

@@ -77,9 +77,8 @@ class QuantizedMatrix:
 
 @functools.cache
 def _say_dequantized_once(device: torch.device, dtype: torch.dtype, kernel: bool) -> None:
-    why = (f"{dtype} batches of more than {_AVX2_KERNEL_ROWS} rows run faster through a float GEMM than through "
-           "the AVX2 kernel" if kernel else f"no quantized-weight kernel for {dtype} activations on {device} (it "
-           "needs an x86 CPU with AVX2)")
+    why = (f"{dtype} batches past the AVX2 kernel's row limit run faster through a float GEMM" if kernel
+           else f"no quantized-weight kernel for {dtype} activations on {device} (it needs an x86 CPU with AVX2)")
     logger.warning("%s: the quantized weights are dequantized once, on first use, and kept beside their blocks; "
                    "--quantization none loads them dequantized only", why)
 
@@ -227,18 +226,16 @@ def _kernel() -> Any | None:
     return None if avx2 is None else avx2.quant_linear
 
 
-# Up to this many rows of float32 activations the AVX2 kernel runs, beyond them the GEMM over the
-# dense weights (oneDNN's, backends/onednn.py): on the 2-core AVX2 machine (docs/quantization.md), for
-# SmolLM2's 30 layers and LM head, the kernel took 3.3 ms at one row against 16-17 ms dense, 39-41
-# against 42-44 at 16, 77-82 against 73-84 at 32, but 153-180 against 133-136 at 64: two int8 parts
-# of the activations cost the kernel two VPMADDUBSWs per 32 multiply-adds. bfloat16 rows always take
-# the kernel (torch's bfloat16 GEMM is slower still there).
-_AVX2_KERNEL_ROWS = 32
-
-
-def _kernel_takes(rows: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel, rather than a float GEMM over dense weights, takes ``rows`` of ``dtype``."""
-    return rows <= _AVX2_KERNEL_ROWS or kernel_takes_every_batch(dtype)
+# Up to this many rows of float32 activations the AVX2 kernel runs, by code width, beyond them the GEMM
+# over the dense weights (oneDNN's, backends/onednn.py). Per row the kernel pays two VPMADDUBSWs per
+# 32 multiply-adds (the activations' two int8 parts), 8-bit codes twice that (two nibbles), where the
+# float GEMM's cost grows more slowly. SmolLM2's 30 Q4_1 layers and its Q8_0 LM head, float32
+# (docs/quantization.md): on the 2-core Zen 3 both together took 39-41 ms at 16 rows through the
+# kernel against 42-44 dense; on the 2-core Zen 1 the layers 153-161 against 144-151 at 16 rows and
+# 214 against 151 at 32, the head 7-9 against 9-10 at 2 rows, 12-17 against 12 at 4, 93 against 33
+# at 32. bfloat16 rows always take the kernel (torch's bfloat16 GEMM is slower still there).
+_AVX2_KERNEL_ROWS = 16
+_AVX2_KERNEL_ROWS_8_BIT = 2
 
 
 def kernel_takes_every_batch(dtype: torch.dtype) -> bool:
@@ -246,10 +243,14 @@ def kernel_takes_every_batch(dtype: torch.dtype) -> bool:
     return kernel_available() and (dtype != torch.float32 or vnni_available())
 
 
-def kernel_row_limit(dtype: torch.dtype) -> int | None:
-    """The most rows of ``dtype`` the kernel takes in one call, more going to the dense weights (as the
-    C++ decoder stack's Linear does too); None where it takes every batch."""
-    return None if kernel_takes_every_batch(dtype) else _AVX2_KERNEL_ROWS
+def kernel_row_limit(matrix: QuantizedMatrix | QuantizedRowStack, dtype: torch.dtype) -> int | None:
+    """The most rows of ``dtype`` the kernel takes in one call to ``matrix`` (a stack's parts all
+    go one way, the C++ decoder stack's Linear as :func:`quantized_linear`), more going to the dense
+    weights; None where it takes every batch."""
+    if kernel_takes_every_batch(dtype):
+        return None
+    parts = matrix.parts if isinstance(matrix, QuantizedRowStack) else (matrix,)
+    return min(_AVX2_KERNEL_ROWS_8_BIT if part.bits == 8 else _AVX2_KERNEL_ROWS for part in parts)
 
 
 def kernel_available() -> bool:
@@ -267,11 +268,19 @@ def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix | QuantizedRowStac
     """``x @ W.T + bias`` for ``x`` ``[..., cols]``: the kernel (activations quantized to int8 per
     block, as llama.cpp does; docs/quantization.md), or a float GEMM over the weight dequantized to
     ``x``'s dtype (:meth:`QuantizedMatrix.dense`)."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    limit = kernel_row_limit(matrix, x.dtype) if kernel_runs(x) else -1  # -1: no kernel, every batch dense
     if isinstance(matrix, QuantizedRowStack):
         biases = [None] * len(matrix.parts) if bias is None else bias.split([p.rows for p in matrix.parts])
-        return torch.cat([quantized_linear(x, part, b) for part, b in zip(matrix.parts, biases, strict=True)], dim=-1)
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if not kernel_runs(x) or not _kernel_takes(rows.shape[0], x.dtype):
+        return torch.cat([_part_linear(x, rows, part, b, limit) for part, b in zip(matrix.parts, biases, strict=True)],
+                         dim=-1)
+    return _part_linear(x, rows, matrix, bias, limit)
+
+
+def _part_linear(x: torch.Tensor, rows: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None,
+                 limit: int | None) -> torch.Tensor:
+    """One matrix's ``x @ W.T + bias``: the kernel up to ``limit`` rows (None: any), else the dense GEMM."""
+    if limit is not None and rows.shape[0] > limit:
         dense = matrix.dense(x.dtype)
         return onednn.linear(x, dense, bias) if dense.is_mkldnn else F.linear(x, dense, bias)
     if matrix.padded_cols != matrix.cols:

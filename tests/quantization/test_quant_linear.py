@@ -43,9 +43,10 @@ def _dense_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def _kernel_at_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The AVX2 kernel on batches of any size (quantized_linear sends float32 ones of more than 32
-    rows to the dense GEMM; test_large_float32_batches_... checks that)."""
+    """The AVX2 kernel on batches of any size (quantized_linear sends float32 ones past its row limit
+    to the dense GEMM; test_large_float32_batches_... checks that)."""
     monkeypatch.setattr(packed, "_AVX2_KERNEL_ROWS", 1 << 30)
+    monkeypatch.setattr(packed, "_AVX2_KERNEL_ROWS_8_BIT", 1 << 30)
 
 
 def _weight(kind: GGMLQuantizationType, rows: int, blocks: int) -> tuple[QuantizedMatrix, torch.Tensor]:
@@ -276,10 +277,31 @@ def test_the_avx2_kernel_equals_the_vnni_one_bit_for_bit(bits: int, block: int, 
 def test_large_float32_batches_take_the_dense_gemm_beside_the_avx2_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()
     torch.manual_seed(6)
-    matrix, _ = _weight(Q.Q4_1, rows=70, blocks=3)
-    dense = _dense_gemm(x := torch.randn(33, matrix.cols), dequantize(matrix))
-    kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
-    assert torch.equal(quantized_linear(x[:32], matrix, None), kernel[:32])
-    assert torch.equal(quantized_linear(x, matrix, None), kernel if packed.vnni_available() else dense)
-    assert torch.equal(quantized_linear(x.bfloat16(), matrix, None),
-                       packed._kernel()(x.bfloat16(), matrix.packed, None, matrix.rows, 4, 32, False))
+    # 4-bit codes up to 16 rows, 8-bit ones (two nibbles a step: twice the kernel's work) up to 2
+    for kind, limit in ((Q.Q4_1, 16), (Q.Q8_0, 2)):
+        matrix, _ = _weight(kind, rows=70, blocks=3)
+        dense = _dense_gemm(x := torch.randn(limit + 1, matrix.cols), dequantize(matrix))
+        kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
+        assert torch.equal(quantized_linear(x[:limit], matrix, None), kernel[:limit])
+        assert torch.equal(quantized_linear(x, matrix, None), kernel if packed.vnni_available() else dense)
+        assert torch.equal(quantized_linear(x.bfloat16(), matrix, None), packed._kernel()(
+            x.bfloat16(), matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric))
+
+
+@needs_kernel
+def test_a_stack_s_parts_go_one_way_at_its_narrowest_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused weight of 4-bit and 8-bit parts sends 3 rows to the dense GEMM for both parts, as the
+    C++ decoder stack's Linear does with its one limit."""
+    monkeypatch.undo()
+    torch.manual_seed(7)
+    parts = [_weight(Q.Q4_1, rows=40, blocks=3)[0], _weight(Q.Q8_0, rows=24, blocks=3)[0]]
+    stack = QuantizedRowStack(tuple(parts))
+    x = torch.randn(3, parts[0].cols)
+    if packed.vnni_available():  # the VNNI kernel takes every batch
+        assert packed.kernel_row_limit(stack, torch.float32) is None
+        expected = torch.cat([packed._kernel()(x, p.packed, None, p.rows, p.bits, p.block, p.symmetric)
+                              for p in parts], dim=-1)
+    else:
+        assert packed.kernel_row_limit(stack, torch.float32) == 2 < packed.kernel_row_limit(parts[0], torch.float32)
+        expected = torch.cat([_dense_gemm(x, dequantize(p)) for p in parts], dim=-1)
+    assert torch.equal(quantized_linear(x, stack, None), expected)
