@@ -10,11 +10,12 @@ from cadence.messages import CompletionOutput, RequestOutput
 from cadence.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from cadence.engine.admission import TextPrompt, TokensPrompt
     from cadence.engine.async_engine import AsyncEngine
     from cadence.engine.llm import LLM
 
 __all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineDeadError", "EngineOverloadedError",
-           "InvalidRequestError", "LoRARequest", "RequestOutput", "SamplingParams"]
+           "InvalidRequestError", "LoRARequest", "RequestOutput", "SamplingParams", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 
@@ -26,4 +27,7 @@ def __getattr__(name: str) -> Any:
     if name == "AsyncEngine":
         from cadence.engine.async_engine import AsyncEngine
         return AsyncEngine
+    if name in ("TextPrompt", "TokensPrompt"):  # vLLM's prompt dicts, for LLM.generate
+        from cadence.engine import admission
+        return getattr(admission, name)
     raise AttributeError(f"module 'cadence' has no attribute {name!r}")

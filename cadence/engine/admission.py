@@ -9,6 +9,7 @@ request manager submits as it is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict, cast
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -20,7 +21,20 @@ from cadence.lora_request import LoRARequest
 from cadence.models.kv_groups import kv_cache_groups_of, kv_capacity_tokens
 from cadence.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt as a dict: ``{"prompt": "..."}``."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token-id prompt as a dict: ``{"prompt_token_ids": [...]}``."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,23 @@ class PreparedRequest:
     lora_request: LoRARequest | None = None  # the adapter it runs with (docs/lora.md)
 
 
-def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+def prompt_content(prompt: Prompt) -> str | list[int]:
+    """The text or token ids a prompt holds, a vLLM prompt dict's too.
+
+    :raises InvalidRequestError: a dict without exactly one of ``prompt`` and ``prompt_token_ids``
+        (vLLM's multimodal and other keys are not served).
+    """
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"}:
+        return cast(TextPrompt, prompt)["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return cast(TokensPrompt, prompt)["prompt_token_ids"]
+    raise InvalidRequestError("a prompt dict takes one key: 'prompt' (text) or 'prompt_token_ids'; "
+                              f"got {sorted(prompt)}", "prompt")
+
+
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
     """Token ids of a text prompt; a token-id prompt as a fresh list."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt).input_ids)
@@ -69,11 +99,12 @@ def prepare_request(tokenizer: PreTrainedTokenizerBase, limits: ModelLimits, pro
 
     :raises InvalidRequestError: saying what to change, with the field in ``param``.
     """
-    token_ids = tokenize_prompt(tokenizer, prompt)
+    content = prompt_content(prompt)
+    token_ids = tokenize_prompt(tokenizer, content)
     check_request(limits, token_ids, params)
     if lora_request is not None:
         check_lora(limits, lora_request)
-    return PreparedRequest(token_ids, params, prompt if isinstance(prompt, str) else None, lora_request)
+    return PreparedRequest(token_ids, params, content if isinstance(content, str) else None, lora_request)
 
 
 def check_lora(limits: ModelLimits, lora_request: LoRARequest) -> None:

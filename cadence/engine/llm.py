@@ -81,7 +81,8 @@ class LLM:
         users: Sequence[str | None] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); outputs keep the prompts' order.
+        """Generate for every prompt (a string, a list of token ids, or vLLM's prompt dicts: ``{"prompt":
+        text}``, ``{"prompt_token_ids": ids}``); outputs keep the prompts' order.
 
         ``priority`` (lower runs first under ``policy="priority"``) and ``users`` (the tenant under
         ``policy="fair"``) give one value per prompt; ``lora_request`` one adapter for every prompt
@@ -144,7 +145,7 @@ class LLM:
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | dict):
         return [prompts]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cadence import LLM, SamplingParams
+from cadence import LLM, SamplingParams, TextPrompt, TokensPrompt
 from cadence.errors import EngineDeadError
 
 
@@ -112,6 +112,19 @@ def test_string_prompts_and_chat(llm: LLM) -> None:
     expected = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}],
                                                  add_generation_prompt=True, tokenize=False)
     assert llm.tokenizer.decode(chat.prompt_token_ids) == expected
+
+
+def test_vllm_s_prompt_dicts_are_prompts(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = llm.tokenizer("Hello world!").input_ids
+    by_text, by_ids = llm.generate([TextPrompt(prompt="Hello world!"), TokensPrompt(prompt_token_ids=ids)], params,
+                                   use_tqdm=False)
+    alone = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)  # one dict: one prompt
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert (by_text.prompt, by_ids.prompt, by_ids.prompt_token_ids) == ("Hello world!", None, ids)
+    with pytest.raises(ValueError, match=r"'prompt_token_ids'; got \['multi_modal_data', 'prompt'\]"):
+        llm.generate([[5, 6], {"prompt": "Hi", "multi_modal_data": {}}], params, use_tqdm=False)
+    assert_engine_clean(llm)
 
 
 @pytest.mark.parametrize(("prompt", "params", "message"), [
