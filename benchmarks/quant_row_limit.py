@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from cpu_kernels import median_ms  # this folder's: the same timing as the other kernels'
 from gguf import GGUFReader
 
-from cadence.backends import onednn
 from cadence.models.loader import default_model_path
 from cadence.quantization import ggml, packed
-from cadence.quantization.packed import QuantizedMatrix, pack
+from cadence.quantization.packed import QuantizedMatrix, dense_linear, kernel_linear, pack
 
 
 def load_matrices(path: str) -> tuple[list[QuantizedMatrix], QuantizedMatrix]:
@@ -40,15 +38,6 @@ def load_matrices(path: str) -> tuple[list[QuantizedMatrix], QuantizedMatrix]:
             layers.append(matrix)
     assert head is not None, "no token_embd.weight in the file"
     return layers, head
-
-
-def kernel(x: torch.Tensor, m: QuantizedMatrix) -> torch.Tensor:
-    op: Any = packed._kernel()
-    return op(x, m.packed, None, m.rows, m.bits, m.block, m.symmetric)
-
-
-def dense(x: torch.Tensor, m: QuantizedMatrix) -> torch.Tensor:
-    return onednn.linear(x, m.dense(torch.float32), None)
 
 
 def main() -> None:
@@ -73,13 +62,16 @@ def row_times(layers: list[QuantizedMatrix], head: QuantizedMatrix, count: int, 
     """Milliseconds of ``count`` rows through the layers (kernel, oneDNN), then the head (the same)."""
     inputs = {cols: torch.randn(count, cols) for cols in {m.cols for m in [*layers, head]}}
 
-    def every_layer(path: Callable[[torch.Tensor, QuantizedMatrix], torch.Tensor]) -> None:
+    def every_layer(path: Callable[[torch.Tensor, QuantizedMatrix, None], torch.Tensor]) -> None:
         for m in layers:
-            path(inputs[m.cols], m)
+            path(inputs[m.cols], m, None)
 
-    return [median_ms(lambda: every_layer(kernel), repeats), median_ms(lambda: every_layer(dense), repeats),
-            median_ms(lambda: kernel(inputs[head.cols], head), repeats),
-            median_ms(lambda: dense(inputs[head.cols], head), repeats)]
+    x = inputs[head.cols]
+    return [median_ms(lambda: every_layer(kernel_linear), repeats),
+            median_ms(lambda: every_layer(dense_linear), repeats),
+            median_ms(lambda: kernel_linear(x, head, None), repeats),
+            median_ms(lambda: dense_linear(x, head, None), repeats)]
+
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -265,25 +266,37 @@ def kernel_runs(x: torch.Tensor) -> bool:
 
 def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix | QuantizedRowStack,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for ``x`` ``[..., cols]``: the kernel (activations quantized to int8 per
-    block, as llama.cpp does; docs/quantization.md), or a float GEMM over the weight dequantized to
-    ``x``'s dtype (:meth:`QuantizedMatrix.dense`)."""
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    limit = kernel_row_limit(matrix, x.dtype) if kernel_runs(x) else -1  # -1: no kernel, every batch dense
+    """``x @ W.T + bias`` for ``x`` ``[..., cols]``: :func:`kernel_linear` where the kernel takes the
+    batch, else :func:`dense_linear` (a stack's parts all go the same way)."""
+    linear = kernel_linear if _kernel_takes(math.prod(x.shape[:-1]), matrix, x) else dense_linear
     if isinstance(matrix, QuantizedRowStack):
         biases = [None] * len(matrix.parts) if bias is None else bias.split([p.rows for p in matrix.parts])
-        return torch.cat([_part_linear(x, rows, part, b, limit) for part, b in zip(matrix.parts, biases, strict=True)],
-                         dim=-1)
-    return _part_linear(x, rows, matrix, bias, limit)
+        return torch.cat([linear(x, part, b) for part, b in zip(matrix.parts, biases, strict=True)], dim=-1)
+    return linear(x, matrix, bias)
 
 
-def _part_linear(x: torch.Tensor, rows: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None,
-                 limit: int | None) -> torch.Tensor:
-    """One matrix's ``x @ W.T + bias``: the kernel up to ``limit`` rows (None: any), else the dense GEMM."""
-    if limit is not None and rows.shape[0] > limit:
-        dense = matrix.dense(x.dtype)
-        return onednn.linear(x, dense, bias) if dense.is_mkldnn else F.linear(x, dense, bias)
+def _kernel_takes(num_rows: int, matrix: QuantizedMatrix | QuantizedRowStack, x: torch.Tensor) -> bool:
+    """Whether the kernel, rather than the dense GEMM, takes ``num_rows`` rows of ``x`` for ``matrix``."""
+    if not kernel_runs(x):
+        return False
+    if num_rows <= min(_AVX2_KERNEL_ROWS, _AVX2_KERNEL_ROWS_8_BIT):  # under every width's limit (one user's decode)
+        return True
+    limit = kernel_row_limit(matrix, x.dtype)
+    return limit is None or num_rows <= limit
+
+
+def kernel_linear(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` through the kernel: activations quantized to int8 per block, as llama.cpp
+    does (docs/quantization.md)."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if matrix.padded_cols != matrix.cols:
         rows = F.pad(rows, (0, matrix.padded_cols - matrix.cols))
     out = cast(Any, _kernel())(rows, matrix.packed, bias, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], matrix.rows)
+
+
+def dense_linear(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` by a float GEMM over the weight dequantized to ``x``'s dtype, once
+    (:meth:`QuantizedMatrix.dense`): oneDNN's where it packed the weight, else ``F.linear``."""
+    dense = matrix.dense(x.dtype)
+    return onednn.linear(x, dense, bias) if dense.is_mkldnn else F.linear(x, dense, bias)
