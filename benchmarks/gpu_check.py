@@ -210,18 +210,16 @@ def window_checks(names: list[str], device: torch.device, quick: bool) -> None:
         batch = random_paged_batch(requests, heads, kv_heads, dim, block_size, dtype, device, seed=dim)
         for label, window, cap in WINDOW_CASES:
             tag = f"H{heads}/{kv_heads} D{dim} bs{block_size} {_dtype(dtype)} {label}"
-            guarded("windows", tag, functools.partial(_window_case, users, batch, tag, window, cap, device))
+            guarded("windows", tag, functools.partial(_window_case, users, batch, tag, window, cap))
 
 
-def _window_case(names: list[str], batch: PagedBatch, tag: str, window: int | None, cap: float | None,
-                 device: torch.device) -> None:
-    """Every backend in ``names`` against one reference: fp64, token by token, so on the CPU."""
+def _window_case(names: list[str], batch: PagedBatch, tag: str, window: int | None, cap: float | None) -> None:
+    """Every backend in ``names`` against one reference: fp64, token by token (on the CPU)."""
     if cap is not None:
         batch = dataclasses.replace(batch, q=batch.q * 8)
-    on_cpu = PagedBatch(*(t.cpu() for t in (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache)), batch.layout)
-    ref = naive_reference(on_cpu, batch.head_dim ** -0.5, window, cap).to(device)
+    ref = naive_reference(batch, batch.head_dim ** -0.5, window, cap)
     for name in names:
-        backend = make_backend(name, batch, device, sliding_window=window, logits_soft_cap=cap)
+        backend = make_backend(name, batch, batch.q.device, sliding_window=window, logits_soft_cap=cap)
         error = (run_backend(backend, batch)[0].double() - ref).abs()
         ok = bool((error <= TOLERANCE[batch.q.dtype] * (1 + ref.abs())).all())
         record("windows", f"{name} {tag}", ok, f"max |err| {error.max().item():.2e}")

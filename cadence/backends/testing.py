@@ -149,15 +149,17 @@ def naive_reference(batch: PagedBatch, scale: float, sliding_window: int | None 
                     logits_soft_cap: float | None = None) -> torch.Tensor:
     """Attention output ``[T, num_heads, head_dim]`` computed one query token at a time in fp64 from
     the canonical caches with the step's K/V written in, by the definition in
-    :class:`~cadence.backends.base.AttentionBackend`: no kernel, no shared code with any backend."""
+    :class:`~cadence.backends.base.AttentionBackend`: no kernel, no shared code with any backend.
+    Computed on the CPU (a GPU would launch a kernel per head and token), returned on ``batch``'s device."""
     layout, group = batch.layout, batch.num_heads // batch.num_kv_heads
     block_size = batch.k_cache.shape[1]
-    k_cache, v_cache = batch.k_cache.double().clone(), batch.v_cache.double().clone()
+    k_cache, v_cache = (c.to("cpu", torch.float64, copy=True) for c in (batch.k_cache, batch.v_cache))
     flat_k = k_cache.view(-1, batch.num_kv_heads, batch.head_dim)
     flat_v = v_cache.view(-1, batch.num_kv_heads, batch.head_dim)
-    flat_k[layout.slot_mapping] = batch.k.double()
-    flat_v[layout.slot_mapping] = batch.v.double()
-    out = torch.empty(batch.q.shape, dtype=torch.float64)
+    flat_k[layout.slot_mapping.cpu()] = batch.k.double().cpu()
+    flat_v[layout.slot_mapping.cpu()] = batch.v.double().cpu()
+    q = batch.q.double().cpu()
+    out = torch.empty(q.shape, dtype=torch.float64)
     starts, seq_lens = layout.query_start_loc.tolist(), layout.seq_lens.tolist()
     for request, seq_len in enumerate(seq_lens):
         table = layout.block_table[request].tolist()
@@ -167,11 +169,11 @@ def naive_reference(batch: PagedBatch, scale: float, sliding_window: int | None 
             slots = [table[p // block_size] * block_size + p % block_size for p in range(first, position + 1)]
             keys, values = flat_k[slots], flat_v[slots]  # [S, Hkv, D]
             for head in range(batch.num_heads):
-                scores = keys[:, head // group] @ batch.q[token, head].double() * scale
+                scores = keys[:, head // group] @ q[token, head] * scale
                 if logits_soft_cap is not None:
                     scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
                 out[token, head] = torch.softmax(scores, dim=0) @ values[:, head // group]
-    return out
+    return out.to(batch.q.device)
 
 
 def output_and_definition(backend: AttentionBackend, batch: PagedBatch,

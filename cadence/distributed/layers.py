@@ -326,12 +326,12 @@ def prepacked(weight: torch.Tensor) -> torch.Tensor:
 def _packable(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.is_mkldnn:
         return False
-    return (weight.dtype == torch.bfloat16 and _fits_bf16_gemm(weight)) or onednn.packs(weight.dtype, weight.device)
+    return _fits_bf16_gemm(weight) or onednn.packs(weight.dtype, weight.device)
 
 
 def _fits_bf16_gemm(weight: torch.Tensor) -> bool:
-    # cadence's GEMM reads input features in pairs, so it needs an even count
-    return weight.shape[1] % 2 == 0 and _has_bf16_gemm()
+    # cadence's GEMM takes bf16 alone, and reads input features in pairs, so it needs an even count
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and _has_bf16_gemm()
 
 
 def _has_bf16_gemm() -> bool:

@@ -42,21 +42,28 @@ from cadence.backends.triton_backend import TritonBackend
 from cadence.backends.triton_kernels.scores import soft_cap
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# Mantissa bits: the kernels compute in fp32 and round once, as the reference does, so only the
-# fp32 summation order differs and a half-precision result may be one ulp off.
+# Mantissa bits: the interpreted kernels compute in fp32 and round once, as the reference does, so
+# only the fp32 summation order differs and a half-precision result may be one ulp off.
 _MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
 
 
-def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, batch: PagedBatch) -> None:
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         return
     _, exponent = torch.frexp(ref.float())  # |ref| = m * 2^e with m in [0.5, 1)
     ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), exponent - 1 - _MANTISSA_BITS[out.dtype])
     # Near zero, fp32 rounding of the O(1) terms that cancelled outweighs a tiny value's ulp.
+    bound = ulp.clamp(min=1e-5)
+    if not triton_kernels.INTERPRETED:
+        # Compiled, the kernels feed P @ V to the tensor cores in the cache's dtype: each softmax
+        # weight is rounded once (relative error 2^-(mantissa + 1)) and the weights sum to 1, so
+        # the output moves by at most that much of the largest |value| besides its own rounding.
+        values = torch.cat([batch.v.flatten(), batch.v_cache.flatten()]).abs().max().float()
+        bound = bound + values * 2.0 ** -(_MANTISSA_BITS[out.dtype] + 1)
     error = (out.float() - ref.float()).abs()
-    excess = error - ulp.clamp(min=1e-5)
-    assert excess.max() <= 0, f"{int((excess > 0).sum())} elements more than one ulp off (max error {error.max()})"
+    excess = error - bound
+    assert excess.max() <= 0, f"{int((excess > 0).sum())} elements off by more than the bound (max error {error.max()})"
 
 
 def _backend(batch: PagedBatch, partition_tokens: int | None = None) -> TritonBackend:
@@ -69,7 +76,7 @@ def _check_against_sdpa(batch: PagedBatch, partition_tokens: int | None = None) 
     out, k_cache, v_cache = run_backend(_backend(batch, partition_tokens), batch)
     ref_out, ref_k, ref_v = sdpa_reference(batch)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # the write is a copy: exact
-    _assert_close(out, ref_out)
+    _assert_close(out, ref_out, batch)
 
 
 @st.composite
@@ -128,14 +135,16 @@ _WINDOW_CASES = {
 
 def _windowed(batch: PagedBatch, window: int | None = None, cap: float | None = None,
               partition_tokens: int | None = None) -> TritonBackend:
+    """The interpreter's tiles of 16 keys and queries on the GPU too, where the cases were laid out for them."""
     backend = TritonBackend(batch.num_heads, batch.num_kv_heads, batch.head_dim, batch.head_dim ** -0.5,
                             sliding_window=window, logits_soft_cap=cap)
     backend.partition_tokens = partition_tokens
+    backend.decode_block_n = backend.prefill_block_m = backend.prefill_block_n = 16
     return backend
 
 
 def _check_against_definition(backend: TritonBackend, batch: PagedBatch, metadata: object = None) -> None:
-    _assert_close(*output_and_definition(backend, batch, metadata))
+    _assert_close(*output_and_definition(backend, batch, metadata), batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -134,9 +134,13 @@ def test_odd_input_widths_go_to_onednn() -> None:
     assert torch.equal(column(x), expected)
 
 
-def test_float32_layers_take_onednn_s_gemm_on_x86() -> None:
+# a CPU with AVX512-BF16 too: cadence's bf16 GEMM must leave float32 weights alone (it once took them
+# and failed the load)
+@pytest.mark.parametrize("bf16_gemm", [False, True])
+def test_float32_layers_take_onednn_s_gemm_on_x86(bf16_gemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where oneDNN packs float32 (x86), the layers run its GEMM over the packed weight; its sums round
     differently from F.linear's (MKL's), within float32's precision. Elsewhere they stay plain."""
+    monkeypatch.setattr(layers, "_has_bf16_gemm", lambda: bf16_gemm)
     layers_ = _layers(torch.float32)
     column, row, vocab, head = layers_
     x, wide, ids = torch.randn(5, 24), torch.randn(5, 48), torch.tensor([3, 36])
