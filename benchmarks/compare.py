@@ -2,8 +2,9 @@
 ``cadence serve`` against any peer OpenAI-compatible server (vLLM, llama.cpp's server, SGLang ...).
 
 Offline: 64 random prompts of 128 tokens, 128 greedy output tokens each with EOS ignored, bf16
-(``--quantization none``: the weights its peers run), SmolLM2-135M-Instruct, through
-``LLM.generate`` and through transformers' batched ``generate``.
+(``--quantization none``: the weights its peers run; ``--dtype float32`` on a CPU without
+AVX512-BF16, where bf16 arithmetic is emulated several times slower: give the peers the same),
+SmolLM2-135M-Instruct, through ``LLM.generate`` and through transformers' batched ``generate``.
 Serving: the same prompts as 64 streaming ``/v1/completions`` requests from 32 concurrent clients,
 measured by ``cadence bench serve`` (vLLM's metric definitions) against a ``cadence serve`` this
 script starts and then against each ``--peer NAME=BASE_URL`` (started by you, serving the same
@@ -57,10 +58,10 @@ _SWEEP_FIGURES = (("request_goodput", "goodput", True), ("p99_ttft_ms", "TTFT p9
                   ("p99_itl_ms", "ITL p99", False))
 
 
-def offline(workload: list[str]) -> dict[str, Any]:
+def offline(dtype: str, workload: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     throughput.add_arguments(parser)
-    ns = parser.parse_args(["--dtype", "bfloat16", "--quantization", "none", "--disable-tqdm", *workload])
+    ns = parser.parse_args(["--dtype", dtype, "--quantization", "none", "--disable-tqdm", *workload])
     requests = throughput.load_requests(ns)
     ours = throughput.run_cadence(ns, requests)
     print(ours.summary())
@@ -152,6 +153,8 @@ def main() -> None:
                         help="extra `cadence serve` flag for the server this script starts; repeatable")
     parser.add_argument("--workload-arg", action="append", default=[],
                         help="extra flag for every workload's bench command, e.g. --workload-arg=--seed=1")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="cadence's weights and activations (float32 where the CPU lacks AVX512-BF16)")
     parser.add_argument("--sweep-rates", default="1,2,4,8", help="the sweep's requests/s, comma-separated")
     parser.add_argument("--plot", default=None, help="write the sweep's curves to this PNG")
     parser.add_argument("--output-json", default=None)
@@ -165,12 +168,12 @@ def main() -> None:
         raise SystemExit(str(exc)) from None
     report: dict[str, Any] = {}
     if "offline" in goals:
-        report["offline"] = offline(ns.workload_arg)
+        report["offline"] = offline(ns.dtype, ns.workload_arg)
     if set(goals) - {"offline"}:
         from cadence.api.testing import ServerProcess
 
         log = Path(tempfile.mkdtemp()) / "server.log"
-        with ServerProcess(["--dtype", "bfloat16", "--quantization", "none", *ns.server_arg], log_path=log) as server:
+        with ServerProcess(["--dtype", ns.dtype, "--quantization", "none", *ns.server_arg], log_path=log) as server:
             servers = {"cadence": server.url, **peers}
             for goal, measure in (("serving", serving), ("single", single_stream)):
                 if goal in goals:
