@@ -77,9 +77,11 @@ def main() -> int:
                 for _ in range(LAYERS):
                     one()
 
+            stream = torch.cuda.current_stream()
             try:
                 graph = f"{timed(captured(layers).replay) / LAYERS:>10.1f}"
             except RuntimeError as exc:  # a backend that syncs with the host cannot be captured
+                torch.cuda.set_stream(stream)  # a failed capture leaves its own stream current
                 graph = f"  capture failed: {exc}"
             print(f"{name:<11}{label:<19}{timed(one):>10.1f}{timed(layers) / LAYERS:>13.1f}{graph}", flush=True)
     return 0

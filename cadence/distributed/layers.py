@@ -319,7 +319,7 @@ def _zero_rows(codes: BlockCodes, rows: int) -> BlockCodes:
 
 def prepacked(weight: torch.Tensor) -> torch.Tensor:
     """A copy of ``weight`` in the layout :func:`linear` runs fastest here (as :func:`pack_weights`
-    packs a layer's), or ``weight`` itself where there is none (fp32, another device)."""
+    packs a layer's), or ``weight`` itself where neither GEMM packs it (fp32 off x86, another device)."""
     return _pack(weight) if _packable(weight) else weight
 
 
