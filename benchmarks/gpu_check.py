@@ -28,7 +28,6 @@ import importlib.util
 import itertools
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from cuda_timer import time_cuda
 
 from cadence.backends.base import AttentionBackend
 from cadence.backends.registry import available_backends, load_backend
@@ -353,28 +353,6 @@ def _time_case(rows: list[str], name: str, label: str, batch: PagedBatch, reques
     tag = name if block_size == 16 else f"{name} bs{block_size}"
     rows.append(f"{tag:<18}{label:<28}{seconds * 1e6:>9.0f}us{bandwidth / 1e9:>9.0f}{share:>8}"
                 f"{flops / seconds / 1e12:>9.1f}")
-
-
-def time_cuda(fn: Callable[[], object], device: torch.device, repeats: int = 20) -> float:
-    """Median seconds of ``fn`` (CUDA events; wall clock on the CPU), after warm-up."""
-    for _ in range(3):
-        fn()
-    samples = []
-    if device.type != "cuda":
-        for _ in range(2):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-    torch.cuda.synchronize(device)
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
 
 
 # ---- main -------------------------------------------------------------------------------------

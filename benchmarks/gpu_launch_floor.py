@@ -9,11 +9,11 @@ call. cadence captures no graphs; this measures what capturing them would save
 
 from __future__ import annotations
 
-import statistics
 import sys
 from collections.abc import Callable
 
 import torch
+from cuda_timer import time_cuda
 
 from cadence.backends.registry import available_backends, load_backend
 from cadence.backends.testing import large_paged_batch
@@ -21,22 +21,6 @@ from cadence.backends.testing import large_paged_batch
 LAYERS = 30
 CASES = [("decode B1 ctx4k", [(4095, 1)]), ("decode B16 ctx4k", [(4095, 1)] * 16),
          ("decode B64 ctx4k", [(4095, 1)] * 64), ("decode B1 ctx32k", [(32767, 1)])]
-
-
-def timed(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Median microseconds of ``fn`` between CUDA events, after warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
 
 
 def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -50,6 +34,10 @@ def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def _us(fn: Callable[[], object], device: torch.device) -> float:
+    return 1e6 * time_cuda(fn, device)
 
 
 def main() -> int:
@@ -79,11 +67,12 @@ def main() -> int:
 
             stream = torch.cuda.current_stream()
             try:
-                graph = f"{timed(captured(layers).replay) / LAYERS:>10.1f}"
+                graph = f"{_us(captured(layers).replay, device) / LAYERS:>10.1f}"
             except RuntimeError as exc:  # a backend that syncs with the host cannot be captured
                 torch.cuda.set_stream(stream)  # a failed capture leaves its own stream current
                 graph = f"  capture failed: {exc}"
-            print(f"{name:<11}{label:<19}{timed(one):>10.1f}{timed(layers) / LAYERS:>13.1f}{graph}", flush=True)
+            print(f"{name:<11}{label:<19}{_us(one, device):>10.1f}{_us(layers, device) / LAYERS:>13.1f}{graph}",
+                  flush=True)
     return 0
 
 
