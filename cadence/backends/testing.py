@@ -156,8 +156,9 @@ def naive_reference(batch: PagedBatch, scale: float, sliding_window: int | None 
     k_cache, v_cache = (c.to("cpu", torch.float64, copy=True) for c in (batch.k_cache, batch.v_cache))
     flat_k = k_cache.view(-1, batch.num_kv_heads, batch.head_dim)
     flat_v = v_cache.view(-1, batch.num_kv_heads, batch.head_dim)
-    flat_k[layout.slot_mapping.cpu()] = batch.k.double().cpu()
-    flat_v[layout.slot_mapping.cpu()] = batch.v.double().cpu()
+    written = layout.slot_mapping.cpu()  # the step's own K/V
+    flat_k[written] = batch.k.double().cpu()
+    flat_v[written] = batch.v.double().cpu()
     q = batch.q.double().cpu()
     out = torch.empty(q.shape, dtype=torch.float64)
     starts, seq_lens = layout.query_start_loc.tolist(), layout.seq_lens.tolist()
