@@ -6,8 +6,9 @@
 - ``prefill_tokens``: tokens of requests given more than one token (linear layers, KV writes);
 - ``decode_seqs``: requests given exactly one token (the same layers, one row each);
 - ``kv_tokens``: cached tokens the decodes attend over, the sum of their contexts: the ``sdpa``
-  backend's C++ kernels read each request's own cache up to its position (its torch fallback, on
-  CPUs without AVX-512, pads every decode to the longest: a fit there averages the padding in);
+  backend's C++ kernels read each request's own cache up to its position, its threads sharing the
+  keys evenly whatever the contexts' spread (its torch fallback, on CPUs with neither AVX-512 nor
+  AVX2, pads every decode to the longest: a fit there averages the padding in);
 - ``prefill_attn``: query × key pairs of the prefills (``Σ new · context``), the quadratic part;
 - ``prefills``: requests given more than one token (one attention call per layer each);
 - ``sampled``: requests that reach the end of their known tokens (LM head rows and sampling);
