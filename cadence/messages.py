@@ -151,6 +151,7 @@ class WorkerReady(_Message):
 
     rank: int
     num_blocks: int
+    kernel_row_limit: int | None = None  # Worker.kernel_row_limit
 
 
 class WorkerFailed(_Message):

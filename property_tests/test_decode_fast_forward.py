@@ -25,6 +25,9 @@ _COST_MODELS = [
     CostModel.default(),
     CostModel({"const": 0.004, "decode_seqs": 0.0007, "kv_tokens": 3.1e-7, "prefill_tokens": 1.3e-4,
                "prefill_attn": 2e-9, "sampled": 1e-4}),
+    # Rows under a quantized kernel's limit of 3 cost more: steps on both sides of it, in and out of runs.
+    CostModel({"const": 0.004, "decode_seqs": 0.0003, "kv_tokens": 3.1e-7, "prefill_tokens": 1.3e-4,
+               "kernel_rows": 0.0009, "sampled": 1e-4}, {"kernel_row_limit": 3}),
 ]
 
 

@@ -30,7 +30,7 @@ EXAMPLES: list[msgspec.Struct] = [
                         prompt_logprobs=[m.PromptLogprobs("r2", 1, [LOGPROBS, LOGPROBS])],
                         num_accepted_drafts=[0, 1], draft_token_ids=[[], [7, 8]]),
     m.ExecutorFailed(7, "boom"),
-    m.WorkerReady(rank=1, num_blocks=40),
+    m.WorkerReady(rank=1, num_blocks=40, kernel_row_limit=16),
     m.WorkerFailed(rank=1, error="RuntimeError: boom"),
     m.EngineCoreOutputs([m.EngineCoreOutput("r1", [11], [LOGPROBS], "stop", 16, queue_time_s=0.5)], timestamp=3.0,
                         stats=m.SchedulerStats(2, 1, 0.25, 30, 40, 512, 128, 3,

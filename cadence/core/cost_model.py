@@ -1,7 +1,7 @@
 """The simulator's step-time model: a linear cost over what a step computes, fitted to real timings.
 
 ``step_time = const + prefill_tokens·c + decode_seqs·c + kv_tokens·c + prefill_attn·c + prefills·c
-+ sampled·c + draft_tokens·c + draft_rounds·c + draft_rows·c`` where, for one engine step,
++ sampled·c + draft_tokens·c + kernel_rows·c + draft_rounds·c + draft_rows·c`` where, for one engine step,
 
 - ``prefill_tokens``: tokens of requests given more than one token (linear layers, KV writes);
 - ``decode_seqs``: requests given exactly one token (the same layers, one row each);
@@ -15,6 +15,15 @@
 - ``draft_tokens``: speculative decoding's drafted tokens verified with the decodes (a decode that
   verifies ``k`` drafts counts as a decode plus ``k`` of these: more rows of every layer, a short
   attention tile). A fit calibrated without speculation has none, and prices them at 0.
+- ``kernel_rows``: the step's rows (its tokens) up to the quantized kernel's row limit, the limit
+  beyond it (``min(rows, limit)``; 0 where the kernel takes every batch). On a CPU with AVX2 and no
+  VNNI, float32 rows past the limit go through a float GEMM of dequantized weights instead
+  (``quantization/packed.py``), whose cost per row is a fraction of the kernel's, and the limit sits
+  where the two cost the same: so the linear layers cost the kernel's slope up to it and the
+  GEMM's after, a hinge. Without it one slope for both had to split the difference: measured on
+  the first-generation Zen machine, a decode priced at 5.1 ms where steps of up to 16 rows cost
+  8 ms a row and wider ones 3-4 (docs/research.md, "Fidelity"). The limit is the model's
+  ``metadata["kernel_row_limit"]``, read from the loaded weights (:attr:`CostModel.row_limit`).
 - ``draft_rounds``, ``draft_rows``: a draft model's proposals after the step (``method:
   draft_model``): its forwards (as many as the most drafts asked of one request) and the drafts
   asked in all (one row each). N-gram lookups cost nothing here; a fit without a draft model
@@ -39,7 +48,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn", "prefills", "sampled",
-            "draft_tokens", "draft_rounds", "draft_rows")
+            "draft_tokens", "kernel_rows", "draft_rounds", "draft_rows")
 # What a draft model's proposals cost (the step time's part that ModelRunnerOutput.draft_time_s is).
 DRAFT_FEATURES = ("draft_rounds", "draft_rows")
 _FORMAT = "cadence-cost-model"
@@ -53,8 +62,10 @@ _MIN_OUTLIER_BAND = 0.1
 # under 1e-4 leaves the fit within about 1e-6 of its fixed point, far inside any step time's noise,
 # and saves the solve (a quarter of a refit) that a tighter test spends confirming it.
 _FIXED_POINT = 1e-4
-# 2: kv_tokens is the decodes' summed contexts (1: decodes x the longest context).
-_VERSION = 2
+# 2: kv_tokens is the decodes' summed contexts (1: decodes x the longest context). 3: kernel_rows;
+# a version 2 file has no such coefficient, and prices steps as it did.
+_VERSION = 3
+_READS = (2, 3)
 
 # The fallback (`--cost-model builtin`): fitted by `cadence simulate calibrate` for the default model
 # (SmolLM2-135M-Instruct, Q4_1 GGUF, bf16 activations, sdpa, 2 threads, serve's defaults) on the
@@ -95,6 +106,7 @@ class StepShape:
     prefills: int = 0
     sampled: int = 0
     draft_tokens: int = 0
+    kernel_rows: int = 0
     draft_rounds: int = 0
     draft_rows: int = 0
 
@@ -105,12 +117,18 @@ class StepShape:
     def features(self) -> list[float]:
         """Values in :data:`FEATURES` order (``const`` is 1)."""
         return [1.0, self.prefill_tokens, self.decode_seqs, self.kv_tokens, self.prefill_attn, self.prefills,
-                self.sampled, self.draft_tokens, self.draft_rounds, self.draft_rows]
+                self.sampled, self.draft_tokens, self.kernel_rows, self.draft_rounds, self.draft_rows]
 
 
-def step_shape(chunks: Iterable[tuple[int, int, bool, int]]) -> StepShape:
+def kernel_rows(rows: int, row_limit: int | None) -> int:
+    """The ``kernel_rows`` of a step of ``rows`` rows, for the kernel's ``row_limit`` (None: none)."""
+    return 0 if row_limit is None else min(rows, row_limit)
+
+
+def step_shape(chunks: Iterable[tuple[int, int, bool, int]], row_limit: int | None = None) -> StepShape:
     """The shape of a step from each request's part in it: (tokens scheduled, its position after
-    them, whether it samples a token, how many of those tokens are drafts it verifies)."""
+    them, whether it samples a token, how many of those tokens are drafts it verifies), for the
+    quantized kernel's ``row_limit`` (:attr:`CostModel.row_limit`)."""
     prefill_tokens = decode_seqs = prefills = prefill_attn = sampled = kv_tokens = draft_tokens = 0
     for num, end, samples, drafts in chunks:
         if num - drafts == 1:
@@ -123,8 +141,9 @@ def step_shape(chunks: Iterable[tuple[int, int, bool, int]]) -> StepShape:
             prefill_attn += num * end
         sampled += samples
     return StepShape(num_seqs=decode_seqs + prefills, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs,
-                     kv_tokens=kv_tokens, prefill_attn=prefill_attn, prefills=prefills,
-                     sampled=sampled, draft_tokens=draft_tokens)
+                     kv_tokens=kv_tokens, prefill_attn=prefill_attn, prefills=prefills, sampled=sampled,
+                     draft_tokens=draft_tokens,
+                     kernel_rows=kernel_rows(prefill_tokens + decode_seqs + draft_tokens, row_limit))
 
 
 @dataclass(frozen=True)
@@ -168,18 +187,23 @@ class CostModel:
         """Every step takes the same time: handy for tests that care about order, not speed."""
         return cls({"const": step_time_s}, {"source": "constant"})
 
+    def with_metadata(self, **more: Any) -> CostModel:
+        """The same coefficients, with ``more`` in the metadata."""
+        return CostModel(self.coefficients, {**self.metadata, **more})
+
     def step_time(self, shape: StepShape) -> float:
         c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
         return (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_seqs + c[3] * shape.kv_tokens
                 + c[4] * shape.prefill_attn + c[5] * shape.prefills + c[6] * shape.sampled + c[7] * shape.draft_tokens
-                + self.draft_time(shape))
+                + c[8] * shape.kernel_rows + self.draft_time(shape))
 
     def decode_step_times(self, num_seqs: int, kv_tokens: np.ndarray) -> np.ndarray:
         """:meth:`step_time` of decode-only steps of ``num_seqs`` requests (each samples, none drafts)
         whose contexts sum to each of ``kv_tokens``, bit for bit: the terms :meth:`step_time` adds
         that are not zero, in its order (adding 0.0 changes no sum of non-negative terms)."""
         c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
-        return (c[0] + c[2] * num_seqs + c[3] * kv_tokens) + c[6] * num_seqs
+        return ((c[0] + c[2] * num_seqs + c[3] * kv_tokens) + c[6] * num_seqs
+                + c[8] * kernel_rows(num_seqs, self.row_limit))
 
     def predict(self, features: np.ndarray) -> np.ndarray:
         """:meth:`step_time` of steps given as rows of :data:`FEATURES` values (to rounding)."""
@@ -188,7 +212,15 @@ class CostModel:
     def draft_time(self, shape: StepShape) -> float:
         """The part of :meth:`step_time` a draft model's proposals take."""
         c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
-        return c[8] * shape.draft_rounds + c[9] * shape.draft_rows
+        return c[9] * shape.draft_rounds + c[10] * shape.draft_rows
+
+    @property
+    def row_limit(self) -> int | None:
+        """The quantized kernel's row limit this model's ``kernel_rows`` are counted with (None: the
+        kernel takes every batch, or no weight is quantized): step shapes priced by this model are
+        counted with it (:func:`step_shape`)."""
+        limit = self.metadata.get("kernel_row_limit")
+        return None if limit is None else int(limit)
 
     @property
     def prices_speculation(self) -> bool:
@@ -218,7 +250,7 @@ class CostModel:
             raise ValueError(f"cannot read cost model {path}: {exc}") from None
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ValueError(f"{path} is not a cadence cost model (write one with `cadence simulate calibrate`)")
-        if data.get("version") != _VERSION:
+        if data.get("version") not in _READS:
             raise ValueError(f"{path} is cost-model version {data.get('version')}; this cadence reads {_VERSION}: "
                              "calibrate again (`cadence simulate calibrate`)")
         return cls({k: float(v) for k, v in data["coefficients"].items()}, data.get("metadata", {}))

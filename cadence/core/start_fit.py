@@ -6,7 +6,9 @@ machine in bf16: on a 2-core AVX2 CPU in float32 that fit priced a decode at a t
 so the first burst after start was scheduled as if its streams' steps were short, and the refit
 that followed a single request (a prompt, then one stream decoding) could not tell a decode's cost
 from a step's. So after the warm-up the engine core times a few steps of the shapes the refit
-learns, on its own workers: a prompt alone, one request decoding, and a batch decoding; and starts
+learns, on its own workers: a prompt alone, one request decoding, and a batch decoding (and, where
+the quantized kernel has a row limit, a batch within it, so that the fit learns the rows under the
+limit apart: ``kernel_rows`` in ``core/cost_model.py``); and starts
 the budget from their fit (the same :func:`~cadence.core.step_budget.refit` the running engine
 uses; what these steps cannot separate keeps the built-in coefficients). docs/architecture.md,
 "Scheduling".
@@ -31,6 +33,7 @@ from cadence.startup_log import startup
 _PROMPT = 256  # the prompt timed alone: a chunk the size serving's steps carry beside decodes
 _BATCH = 32  # the decode batch timed: serving's usual concurrency
 _BATCH_PROMPT = 4
+_NARROW_SHARE = 2  # the batch within the kernel's row limit: half the limit
 _DECODES = 4  # decode steps timed of each batch: step times vary a few percent from one to the next
 _MAX_STEPS = 64  # a guard: the scratch requests take a dozen steps
 SOURCE = "timed at start"  # the fitted model's metadata["source"]
@@ -40,11 +43,13 @@ def fit_at_start(executor: Executor, config: EngineConfig, vocab_size: int,
                  windows: Sequence[int | None]) -> CostModel:
     """The cost model timed on ``executor``'s workers (see the module docstring)."""
     started = time.perf_counter()
-    scheduler = scratch_scheduler(executor, config, windows)
+    limit = executor.kernel_row_limit
+    builtin = CostModel.default().with_metadata(kernel_row_limit=limit)  # the shapes count kernel_rows with it
+    scheduler = scratch_scheduler(executor, config, windows, builtin)
     free_blocks = scheduler.allocator.capacity_tokens // config.cache.block_size
     shapes: list[StepShape] = []
     times: list[float] = []
-    for requests in _phases(config, vocab_size, free_blocks):
+    for requests in _phases(config, vocab_size, free_blocks, limit):
         for request in requests:
             scheduler.add_request(request)
         for _ in range(_MAX_STEPS):
@@ -58,20 +63,23 @@ def fit_at_start(executor: Executor, config: EngineConfig, vocab_size: int,
             if step.num_scheduled_tokens and shape is not None and shape.prefills <= 1:
                 shapes.append(shape)
                 times.append(time.perf_counter() - begun)
-    builtin = CostModel.default()
     model = refit(builtin, np.array([s.features() for s in shapes]), np.array(times))
     if model is builtin:  # too few steps to fit (a tiny cache), or a fit that did not converge
         return builtin
-    model = CostModel(model.coefficients, {"source": SOURCE, "model": config.model.path, "dtype": config.model.dtype})
+    model = CostModel(model.coefficients, {"source": SOURCE, "model": config.model.path, "dtype": config.model.dtype,
+                                           "kernel_row_limit": limit})
     c = model.coefficients
-    startup.info("step costs timed in %.1f s: %.1f ms a step, %.2f ms a prompt token, %.2f ms a decode",
-                time.perf_counter() - started, 1e3 * c["const"], 1e3 * c["prefill_tokens"], 1e3 * c["decode_seqs"])
+    narrow = "" if limit is None else f", {1e3 * c['kernel_rows']:.2f} ms more a row up to {limit} rows"
+    startup.info("step costs timed in %.1f s: %.1f ms a step, %.2f ms a prompt token, %.2f ms a decode%s",
+                 time.perf_counter() - started, 1e3 * c["const"], 1e3 * c["prefill_tokens"], 1e3 * c["decode_seqs"],
+                 narrow)
     return model
 
 
-def _phases(config: EngineConfig, vocab_size: int, free_blocks: int) -> list[list[Request]]:
-    """A prompt alone (then it decodes alone), then a batch of short prompts that decode together;
-    sized to the token budget, the seats and ``free_blocks``."""
+def _phases(config: EngineConfig, vocab_size: int, free_blocks: int, limit: int | None) -> list[list[Request]]:
+    """A prompt alone (then it decodes alone), then a batch of short prompts that decode together,
+    then (with a kernel row ``limit``) a batch of half the limit; sized to the token budget, the seats
+    and ``free_blocks``."""
     max_len, block_size = config.model.max_model_len, config.cache.block_size
     sched = config.scheduler
     out = _DECODES + 1
@@ -85,4 +93,9 @@ def _phases(config: EngineConfig, vocab_size: int, free_blocks: int) -> list[lis
         return Request(f"fit-{i}", [(11 * j + i + 1) % vocab_size for j in range(length)], params,
                        eos_token_id=None, arrival_time=0.0, max_model_len=max_len)
 
-    return [[request(0, prompt)], [request(1 + i, min(_BATCH_PROMPT, max_len - out)) for i in range(batch)]]
+    sizes = [batch] if limit is None else [batch, max(2, min(batch, limit // _NARROW_SHARE))]
+    phases, first = [[request(0, prompt)]], 1
+    for size in sizes:
+        phases.append([request(first + i, min(_BATCH_PROMPT, max_len - out)) for i in range(size)])
+        first += size
+    return phases

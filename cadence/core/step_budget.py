@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cadence.core.cost_model import FEATURES, CostModel, StepShape, fit_features
+from cadence.core.cost_model import FEATURES, CostModel, StepShape, fit_features, kernel_rows
 
 
 class StepBudget:
@@ -65,7 +65,8 @@ class StepBudget:
         keep = seconds > 0
         if not keep.all():
             kv_tokens, seconds = kv_tokens[keep], seconds[keep]
-        features = StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, sampled=num_seqs).features()
+        features = StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, sampled=num_seqs,
+                             kernel_rows=kernel_rows(num_seqs, self.model.row_limit)).features()
         done, window = 0, len(self._times)
         while done < len(seconds):  # up to each refit (and the ring's end), as one step at a time would
             row = self._num_samples % window
@@ -106,41 +107,62 @@ class StepBudget:
 
     def _decode_time(self, num_seqs: int, kv_tokens: int) -> float:
         return self.model.step_time(StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, kv_tokens=kv_tokens,
-                                              sampled=num_seqs))
+                                              sampled=num_seqs,
+                                              kernel_rows=kernel_rows(num_seqs, self.model.row_limit)))
 
-    def prefill_tokens(self, seconds: float, start: int) -> int:
-        """The longest chunk, starting at position ``start``, that one request computes in ``seconds``."""
+    def prefill_tokens(self, seconds: float, start: int, rows: int = 0) -> int:
+        """The longest chunk, starting at position ``start``, that one request computes in ``seconds``
+        beside a step of ``rows`` rows so far (its first rows, up to the quantized kernel's limit, cost
+        the kernel's ``kernel_rows`` price as well)."""
         c = self.model.coefficients
         per_token = c.get("prefill_tokens", 0.0) + c.get("prefill_attn", 0.0) * start
         quadratic = c.get("prefill_attn", 0.0)  # chunk n at start s attends n * (s + n) pairs
         room = seconds - c.get("prefills", 0.0) - c.get("sampled", 0.0)
-        if room <= 0:
-            return 0
-        if quadratic > 0:
-            n = (-per_token + math.sqrt(per_token * per_token + 4 * quadratic * room)) / (2 * quadratic)
-        elif per_token > 0:
-            n = room / per_token
-        else:
-            return 1 << 30  # prefill costs nothing in this model: only the token budget bounds it
-        return int(n + 1e-9)  # a chunk that fits exactly, despite rounding
+        narrow, kernel = self._narrow(rows), c.get("kernel_rows", 0.0)
+        if kernel and room < (per_token + kernel + quadratic * narrow) * narrow:  # short of the limit
+            return _longest(room, per_token + kernel, quadratic)
+        return _longest(room - kernel * narrow, per_token, quadratic)  # the kernel's part paid in full
 
-    def draft_time(self, num: int) -> float:
-        """Seconds ``num`` drafted tokens verified with a decode add to a step (speculative decoding)."""
-        return self.model.coefficients.get("draft_tokens", 0.0) * num
+    def draft_time(self, num: int, rows: int = 0) -> float:
+        """Seconds ``num`` drafted tokens verified with a decode add to a step of ``rows`` rows so far
+        (speculative decoding)."""
+        return self.model.coefficients.get("draft_tokens", 0.0) * num + self._kernel_time(num, rows)
 
-    def chunk_time(self, num: int, start: int) -> float:
-        """Seconds a ``num``-token chunk starting at ``start`` adds to a step."""
+    def chunk_time(self, num: int, start: int, rows: int = 0) -> float:
+        """Seconds a ``num``-token chunk starting at ``start`` adds to a step of ``rows`` rows so far."""
         c = self.model.coefficients
         return (c.get("prefills", 0.0) + c.get("prefill_tokens", 0.0) * num
-                + c.get("prefill_attn", 0.0) * num * (start + num))
+                + c.get("prefill_attn", 0.0) * num * (start + num) + self._kernel_time(num, rows))
+
+    def _narrow(self, rows: int) -> int:
+        """How many more rows a step of ``rows`` rows takes before the kernel's row limit (0: none)."""
+        limit = self.model.row_limit
+        return 0 if limit is None else max(0, limit - rows)
+
+    def _kernel_time(self, num: int, rows: int) -> float:
+        return self.model.coefficients.get("kernel_rows", 0.0) * min(num, self._narrow(rows))
+
+
+def _longest(room: float, per_token: float, quadratic: float) -> int:
+    """The most tokens ``n`` with ``per_token * n + quadratic * n * n <= room``."""
+    if room <= 0:
+        return 0
+    if quadratic > 0:
+        n = (-per_token + math.sqrt(per_token * per_token + 4 * quadratic * room)) / (2 * quadratic)
+    elif per_token > 0:
+        n = room / per_token
+    else:
+        return 1 << 30  # prefill costs nothing in this model: only the token budget bounds it
+    return int(n + 1e-9)  # a chunk that fits exactly, despite rounding
 
 
 # What the running fit learns. A serving workload's prompts are much alike, so chunk counts, query x
 # key pairs and tokens move together, and a fit of all three swings between them from one window to
 # the next (measured: the attention term 20x apart), which then mis-sizes chunks of other lengths.
 # Tokens alone carry the average attention cost of the prompts being served. Drafted tokens (speculative
-# decoding) cost a step differently from prompt tokens, and are learnt apart.
-ONLINE_FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "draft_tokens")
+# decoding) cost a step differently from prompt tokens, and are learnt apart. So are the rows under the
+# quantized kernel's row limit: a serving load's steps are mostly on both sides of it.
+ONLINE_FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "draft_tokens", "kernel_rows")
 
 
 def refit(model: CostModel, features: np.ndarray, times: np.ndarray) -> CostModel:

@@ -27,18 +27,22 @@ class StepPlan:
     # Seconds the step's prefill chunks may still take (inf: only the token budget bounds them).
     time_left: float = math.inf
     has_prefill: bool = False
+    # Rows the step's linear layers take so far, its decodes from the start (under a latency target:
+    # the first rows, up to the quantized kernel's row limit, cost more than the rest).
+    rows: int = 0
 
     def __post_init__(self, running: Sequence[Request], batch: int) -> None:
         if self.step_budget is not None:
-            self.time_left = self.step_budget.prefill_time(
-                [r.num_tokens for r in running if r.num_tokens - r.num_computed_tokens == 1], batch)
+            decode_ends = [r.num_tokens for r in running if r.num_tokens - r.num_computed_tokens == 1]
+            self.time_left = self.step_budget.prefill_time(decode_ends, batch)
+            self.rows = len(decode_ends)
 
     def token_budget(self, request: Request, start: int) -> int:
         """What ``request``, computed up to ``start``, may draw on: the tokens left, and for a prefill
         what fits the time left (at least one token for the step's first prefill, so prompts always move)."""
         if self.step_budget is None or self.time_left == math.inf or request.num_tokens - start <= 1:
             return self.budget
-        fits = self.step_budget.prefill_tokens(self.time_left, start)
+        fits = self.step_budget.prefill_tokens(self.time_left, start, self.rows)
         return min(self.budget, fits if fits or self.has_prefill else 1)
 
     def stop_reason(self, request: Request) -> str | None:
@@ -60,7 +64,8 @@ class StepPlan:
         if request.num_tokens - start > 1:
             self.has_prefill = True
             if self.step_budget is not None:
-                self.time_left -= self.step_budget.chunk_time(num, start)
+                self.time_left -= self.step_budget.chunk_time(num, start, self.rows)
+                self.rows += num
 
     def add_drafts(self, request: Request, num: int, blocks: list[list[int]]) -> None:
         """``request``'s tokens, taken already, go on with ``num`` drafts held in ``blocks`` as well
@@ -71,18 +76,20 @@ class StepPlan:
             ids.extend(more)
         self.budget -= num
         if self.step_budget is not None:
-            self.time_left -= self.step_budget.draft_time(num)
+            self.time_left -= self.step_budget.draft_time(num, self.rows)
+            self.rows += num
 
     def drop(self, request: Request) -> None:
         self.budget += self.scheduled.pop(request.request_id, 0)
         self.new_blocks.pop(request.request_id, None)
         self.drafts.pop(request.request_id, None)
 
-    def shape(self, requests: Mapping[str, Request]) -> StepShape:
-        """What the step computes, before the requests' computed counts move past it."""
+    def shape(self, requests: Mapping[str, Request], row_limit: int | None) -> StepShape:
+        """What the step computes, before the requests' computed counts move past it, for the quantized
+        kernel's ``row_limit``."""
         chunks = []
         for request_id, num in self.scheduled.items():
             request = requests[request_id]
             end, drafts = request.num_computed_tokens + num, self.drafts.get(request_id, 0)
             chunks.append((num, end, end == request.num_tokens + drafts, drafts))
-        return step_shape(chunks)
+        return step_shape(chunks, row_limit)

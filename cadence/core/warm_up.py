@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from cadence.config import EngineConfig
+from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.executor.base import Executor
@@ -83,12 +84,14 @@ def warm_up(executor: Executor, config: EngineConfig, hf_config: PretrainedConfi
     return steps
 
 
-def scratch_scheduler(executor: Executor, config: EngineConfig, windows: Sequence[int | None]) -> Scheduler:
-    """An FCFS scheduler, with the engine's settings, of scratch requests over the workers' cache
-    (empty before the engine core is ready): it shares none of the engine's state."""
+def scratch_scheduler(executor: Executor, config: EngineConfig, windows: Sequence[int | None],
+                      cost_model: CostModel | None = None) -> Scheduler:
+    """An FCFS scheduler, with the engine's settings (and ``cost_model`` for its latency target), of
+    scratch requests over the workers' cache (empty before the engine core is ready): it shares none
+    of the engine's state."""
     sched = config.scheduler
     allocator = KVCacheManager(executor.num_blocks, config.cache.block_size, False, windows=windows)
-    return Scheduler(sched, allocator, load_policy("fcfs", PolicyContext.of(sched, WallClock())))
+    return Scheduler(sched, allocator, load_policy("fcfs", PolicyContext.of(sched, WallClock())), cost_model=cost_model)
 
 
 def _requests(config: EngineConfig, vocab_size: int, free_blocks: int) -> list[Request]:

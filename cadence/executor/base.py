@@ -30,11 +30,14 @@ class WorkerError(RuntimeError):
 class Executor(abc.ABC):
     """Runs each scheduled step on every rank's worker and returns rank 0's sampled tokens.
 
-    ``num_blocks`` is the KV cache's block count, the same on every rank. The executor actor calls
+    ``num_blocks`` is the KV cache's block count, the same on every rank; ``kernel_row_limit`` the
+    quantized kernel's row limit for the model's weights (None: none), rank 0's
+    (:func:`~cadence.quantization.packed.model_row_limit`). The executor actor calls
     :meth:`execute_model` from a thread, one step at a time.
     """
 
     num_blocks: int
+    kernel_row_limit: int | None = None
 
     @abc.abstractmethod
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -83,6 +86,7 @@ class UniExecutor(Executor):
         self._closed = False
         self.worker = self._submit(Worker, config, hf_config, local_rank=config.parallel.device_index(0)).result()
         self.num_blocks = self.worker.num_blocks
+        self.kernel_row_limit = self.worker.kernel_row_limit
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self._submit(self.worker.execute_model, step).result()

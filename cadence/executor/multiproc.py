@@ -75,7 +75,8 @@ class MultiprocExecutor(Executor):
         try:
             for process in self.processes:
                 process.start()
-            self.num_blocks = self._wait_ready()
+            first = self._wait_ready()
+            self.num_blocks, self.kernel_row_limit = first.num_blocks, first.kernel_row_limit
         except BaseException:
             self.shutdown()
             raise
@@ -114,9 +115,9 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         self._finalizer()
 
-    def _wait_ready(self) -> int:
-        """Rank 0's KV block count, once every rank is ready and subscribed to the steps."""
-        ready: dict[int, int] = {}
+    def _wait_ready(self) -> WorkerReady:
+        """Rank 0's report, once every rank is ready and subscribed to the steps."""
+        ready: dict[int, WorkerReady] = {}
         subscribed = 0
         poller = self._poller(self._steps)
         while len(ready) < self.world_size or subscribed < self.world_size:
@@ -127,7 +128,7 @@ class MultiprocExecutor(Executor):
                 reply = self._next_reply()
                 if not isinstance(reply, WorkerReady):
                     raise WorkerError(f"unexpected {type(reply).__name__} from a worker while starting")
-                ready[reply.rank] = reply.num_blocks
+                ready[reply.rank] = reply
         return ready[0]
 
     def _next_reply(self) -> WorkerReady | ModelRunnerOutput:

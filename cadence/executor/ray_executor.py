@@ -54,15 +54,16 @@ class RayWorker:
         self._store = _store(ip, 0, self.config.parallel.tensor_parallel_size, is_master=True)
         return f"{_url_host(ip)}:{self._store.port}"
 
-    def start(self, rendezvous: str) -> int:
-        """Join the group, load this rank's shard, allocate its KV cache; the KV block count."""
+    def start(self, rendezvous: str) -> tuple[int, int | None]:
+        """Join the group, load this rank's shard, allocate its KV cache; the KV block count and the
+        kernel's row limit."""
         if self.rank != 0:
             host, port = rendezvous.rsplit(":", 1)
             self._store = _store(host.strip("[]"), int(port), self.config.parallel.tensor_parallel_size,
                                  is_master=False)
         # Ray shows each actor only its own GPU, so it is always device 0.
         self.worker = start_worker(self.config, self.rank, self._store, local_rank=0)
-        return self.worker.num_blocks
+        return self.worker.num_blocks, self.worker.kernel_row_limit
 
     def ping(self) -> None:
         """Answers while the actor lives (the executor's watch between steps)."""
@@ -105,7 +106,8 @@ class RayExecutor(Executor):
                                               scheduling_strategy=strategy)
                 self.actors.append(options.remote(config, rank))
             rendezvous = self._gather([self.actors[0].rendezvous_address.remote()])[0]
-            self.num_blocks = self._gather([actor.start.remote(rendezvous) for actor in self.actors])[0]
+            self.num_blocks, self.kernel_row_limit = self._gather([actor.start.remote(rendezvous)
+                                                                   for actor in self.actors])[0]
         except BaseException:
             self.shutdown()
             raise

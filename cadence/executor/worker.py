@@ -29,6 +29,7 @@ from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.models.kv_groups import kv_cache_groups_of
 from cadence.models.layers import head_dim_of
 from cadence.models.loader import load_model
+from cadence.quantization.packed import model_row_limit
 from cadence.startup_log import startup
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class Worker:
                  backend_cls.name)
         model = load_model(config.model.path, hf_config, dtype, device, backend_cls, group, quantization,
                            config.model.gguf_file, config.model.enforce_eager)
+        # Steps of more rows than this take a float GEMM: the cost model prices the rows under it apart.
+        self.kernel_row_limit = model_row_limit(model, dtype, device)
         num_kv_heads = model.num_kv_heads  # this rank's
         # Every rank sizes its pool for rank 0's KV heads (no rank holds more), so all ranks agree on
         # the block count the allocator hands out.

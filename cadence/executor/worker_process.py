@@ -51,7 +51,7 @@ def worker_main(config: EngineConfig, rank: int, addresses: WorkerAddresses) -> 
     codec: Codec[WorkerReply] = Codec(WorkerReply)
     try:
         worker = start_worker(config, rank, addresses.init_method, config.parallel.device_index(rank))
-        replies.send(codec.encode(WorkerReady(rank, worker.num_blocks)))
+        replies.send(codec.encode(WorkerReady(rank, worker.num_blocks, worker.kernel_row_limit)))
         _serve(worker, rank, steps, replies, codec)
     except Exception as exc:
         logger.exception("worker rank %d failed", rank)

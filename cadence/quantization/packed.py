@@ -254,6 +254,26 @@ def kernel_row_limit(matrix: QuantizedMatrix | QuantizedRowStack, dtype: torch.d
     return min(_AVX2_KERNEL_ROWS_8_BIT if part.bits == 8 else _AVX2_KERNEL_ROWS for part in parts)
 
 
+def model_row_limit(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int | None:
+    """The row limit (:func:`kernel_row_limit`) of most of ``model``'s quantized weights, counted by
+    their elements: the one a step's linear layers follow (an 8-bit LM head's lower limit covers a
+    sliver of the model). None where the kernel takes every batch, or none runs (another device or
+    dtype, no kernel built), or nothing is quantized. The cost model prices rows under it apart
+    (``core/cost_model.py``, ``kernel_rows``)."""
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES or kernel_takes_every_batch(dtype) \
+            or not kernel_available():
+        return None
+    elements: dict[int, int] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, QuantizedMatrix | QuantizedRowStack):
+            limit = kernel_row_limit(weight, dtype)
+            if limit is not None:
+                parts = weight.parts if isinstance(weight, QuantizedRowStack) else (weight,)
+                elements[limit] = elements.get(limit, 0) + sum(p.rows * p.cols for p in parts)
+    return max(elements, key=elements.__getitem__, default=None)
+
+
 def kernel_available() -> bool:
     """Whether a kernel runs here (an x86 CPU with AVX2, the kernel built)."""
     return _kernel() is not None

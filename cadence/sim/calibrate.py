@@ -140,7 +140,8 @@ class _TimingExecutor:
 
     def __init__(self, executor: Executor, draft_model: bool) -> None:
         self.executor = executor
-        self.tracker = ShapeTracker(draft_model)
+        self.kernel_row_limit = executor.kernel_row_limit
+        self.tracker = ShapeTracker(draft_model, row_limit=executor.kernel_row_limit)
         self.steps: list[TimedStep] = []
         self.phase = 0
 
@@ -269,6 +270,8 @@ def _metadata(engine: LLM, num_steps: int, median_gap: float) -> dict[str, Any]:
         "speculative": None if config.speculative is None else config.speculative.method,
         "num_steps_timed": num_steps,
         "median_loop_gap_s": median_gap,
+        # The shapes were counted with it (kernel_rows); the simulator counts its steps' the same way.
+        "kernel_row_limit": engine.engine_core.executor.kernel_row_limit,
     }
 
 

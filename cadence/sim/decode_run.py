@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cadence.core.cost_model import CostModel, StepShape
+from cadence.core.cost_model import CostModel, StepShape, kernel_rows
 from cadence.core.scheduler import Scheduler
 from cadence.messages import EngineCoreOutput
 from cadence.request import Request, RequestStatus
@@ -42,6 +42,7 @@ class DecodeRun:
     kv_tokens: np.ndarray
     free_blocks: np.ndarray  # free blocks once each step is scheduled
     evictions: dict[int, int]  # cached hash -> the step that evicts it (with KV events recorded only)
+    row_limit: int | None = None  # the cost model's (CostModel.row_limit): kernel_rows are counted with it
 
     @property
     def num_steps(self) -> int:
@@ -57,7 +58,8 @@ class DecodeRun:
 
     def shape(self, step: int) -> StepShape:
         n = len(self.requests)
-        return StepShape(num_seqs=n, decode_seqs=n, kv_tokens=int(self.kv_tokens[step]), sampled=n)
+        return StepShape(num_seqs=n, decode_seqs=n, kv_tokens=int(self.kv_tokens[step]), sampled=n,
+                         kernel_rows=kernel_rows(n, self.row_limit))
 
 
 def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max_steps: int) -> DecodeRun | None:
@@ -98,7 +100,8 @@ def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max
         take_steps = np.repeat(step, takes_by_residue[step % allocator.block_size]).tolist()
         evicted = allocator.eviction_order(len(take_steps))
         evictions = {h: s for h, s in zip(evicted, take_steps, strict=True) if h is not None}
-    return DecodeRun(requests, tokens, starts, durations, kv_tokens, free_blocks[:num_steps], evictions)
+    return DecodeRun(requests, tokens, starts, durations, kv_tokens, free_blocks[:num_steps], evictions,
+                     cost_model.row_limit)
 
 
 def _ends_by_length(request: Request) -> bool:

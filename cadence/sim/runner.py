@@ -54,12 +54,14 @@ class ShapeTracker:
 
     With ``draft_model``, a step's shape also counts the proposals the scheduler asks of the draft
     model after it (``draft_rounds``, ``draft_rows``); n-gram proposals cost nothing to count.
+    ``row_limit`` is the quantized kernel's, which ``kernel_rows`` are counted with.
     """
 
-    def __init__(self, draft_model: bool = False) -> None:
+    def __init__(self, draft_model: bool = False, row_limit: int | None = None) -> None:
         # request id -> [known tokens, computed tokens]
         self._counts: dict[str, list[int]] = {}
         self.draft_model = draft_model
+        self.row_limit = row_limit
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -87,7 +89,7 @@ class ShapeTracker:
                 sampled.append(request_id)
                 state[0] = end + 1  # every draft accepted, until settle() says otherwise
             chunks.append((num, end, samples, drafts))
-        shape = step_shape(chunks)
+        shape = step_shape(chunks, self.row_limit)
         if self.draft_model:
             asked = [out.draft_counts.get(request_id, 0) for request_id in sampled]
             shape.draft_rounds, shape.draft_rows = max(asked, default=0), sum(asked)
@@ -121,7 +123,8 @@ class SimulatedRunner:
 
     def __init__(self, cost_model: CostModel, drafts: SimulatedDrafts | None = None, seed: int = 0) -> None:
         self.cost_model = cost_model
-        self.tracker = ShapeTracker(draft_model=drafts is not None and drafts.draft_model)
+        self.tracker = ShapeTracker(draft_model=drafts is not None and drafts.draft_model,
+                                    row_limit=cost_model.row_limit)
         self.drafts = drafts
         self._rng = random.Random(seed)
         self._acceptance: dict[str, float] = {}  # requests with their own rate

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import cadence.core.start_fit as start_fit
-from cadence.core.cost_model import CostModel, StepShape
+from cadence.core.cost_model import CostModel, StepShape, kernel_rows
 from cadence.core.engine_core import EngineCore
 from cadence.engine_args import EngineArgs
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
@@ -21,10 +21,12 @@ TRUTH = CostModel({"const": 0.004, "prefill_tokens": 0.0015, "decode_seqs": 0.00
 
 
 class _TimedExecutor:
-    """The tiny model's executor, whose steps take :data:`TRUTH`'s time on a clock of their own."""
+    """The tiny model's executor, whose steps take ``truth``'s time on a clock of their own (with its
+    row limit as the workers' quantized kernel's)."""
 
-    def __init__(self, executor: Any) -> None:
+    def __init__(self, executor: Any, truth: CostModel = TRUTH) -> None:
         self.executor, self.num_blocks, self.now = executor, executor.num_blocks, 0.0
+        self.truth, self.kernel_row_limit = truth, truth.row_limit
         self.shapes: list[StepShape] = []
 
     def perf_counter(self) -> float:
@@ -33,11 +35,13 @@ class _TimedExecutor:
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         prompts = [step.num_scheduled_tokens[r.request_id] for r in step.new_requests]
         decodes = [r.num_computed_tokens + 1 for r in step.cached_requests]
+        rows = sum(prompts) + len(decodes)
         shape = StepShape(num_seqs=len(prompts) + len(decodes), prefill_tokens=sum(prompts), decode_seqs=len(decodes),
-                          kv_tokens=sum(decodes), prefills=len(prompts), sampled=len(prompts) + len(decodes))
+                          kv_tokens=sum(decodes), prefills=len(prompts), sampled=len(prompts) + len(decodes),
+                          kernel_rows=kernel_rows(rows, self.kernel_row_limit))
         if shape.num_seqs:
             self.shapes.append(shape)
-        self.now += TRUTH.step_time(shape)
+        self.now += self.truth.step_time(shape)
         return self.executor.execute_model(step)
 
 
@@ -62,6 +66,25 @@ def test_the_fit_recovers_the_workers_step_costs_from_a_prompt_and_two_decode_ba
         assert model.coefficients["kv_tokens"] == pytest.approx(0.0, abs=1e-12)
         assert model.metadata["source"] == start_fit.SOURCE
         assert core.executor.worker.runner.states == {}  # the scratch requests are gone
+    finally:
+        core.shutdown()
+
+
+def test_under_a_kernel_row_limit_a_batch_within_it_is_timed_too_and_its_rows_priced_apart(
+        make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    truth = CostModel({**TRUTH.coefficients, "kernel_rows": 0.002}, {"kernel_row_limit": 8})
+    core = _core(make_tiny_model, usage_context="serving", num_kv_blocks=64)
+    try:
+        timed = _TimedExecutor(core.executor, truth)
+        monkeypatch.setattr(start_fit, "time", SimpleNamespace(perf_counter=timed.perf_counter))
+        groups = kv_cache_groups_of(core.hf_config, core.config.cache.hybrid_kv_cache)
+        model = start_fit.fit_at_start(timed, core.config, core.hf_config.vocab_size, groups.windows)  # type: ignore[arg-type]
+        # Then 4 requests (half the limit) decoding together.
+        assert [(s.prefill_tokens, s.decode_seqs) for s in timed.shapes] == (
+            [(256, 0)] + [(0, 1)] * 4 + [(32 * 4, 0)] + [(0, 32)] * 4 + [(4 * 4, 0)] + [(0, 4)] * 4)
+        for name in ("const", "prefill_tokens", "decode_seqs", "kernel_rows"):
+            assert model.coefficients[name] == pytest.approx(truth.coefficients[name], rel=1e-6)
+        assert model.row_limit == 8
     finally:
         core.shutdown()
 

@@ -60,6 +60,59 @@ def test_the_chunk_fits_the_time_including_attention_over_its_start() -> None:
     assert quadratic.prefill_tokens(0.01, 500) < quadratic.prefill_tokens(0.01, 0)
 
 
+# LINEAR with the rows under a quantized kernel's limit of 8 costing 3 ms more each: a decode alone takes
+# 15 ms, 8 of them 50, 9 of them 52.
+HINGE = CostModel({**LINEAR.coefficients, "kernel_rows": 0.003}, {"kernel_row_limit": 8})
+
+
+def test_rows_under_the_kernel_s_limit_cost_its_price_as_well() -> None:
+    budget = StepBudget(0.05, HINGE)
+    assert budget.prefill_time([5, 9, 7]) == pytest.approx(0.050 - 0.025)
+    assert budget.prefill_time([5] * 8) == pytest.approx(0.050)  # 50 ms of decodes: as long again
+    # Beside 3 decodes a chunk's first 5 tokens cost 4 ms each, the next ones 1 ms.
+    assert budget.chunk_time(4, 0, rows=3) == pytest.approx(0.016)
+    assert budget.chunk_time(10, 0, rows=3) == pytest.approx(0.010 + 0.015)
+    assert budget.chunk_time(10, 0, rows=8) == budget.chunk_time(10, 0, rows=20) == pytest.approx(0.010)
+    assert budget.draft_time(2, rows=7) == pytest.approx(0.003)  # no draft price: one row under the limit
+    assert budget.prefill_tokens(0.016, 0, rows=3) == 4
+    assert budget.prefill_tokens(0.0215, 0, rows=3) == 6  # 5 narrow tokens (20 ms), a wide one
+    assert budget.prefill_tokens(0.025, 0, rows=3) == 10
+    assert budget.prefill_tokens(0.025, 0, rows=8) == 25
+    # Whatever the time and the rows before, the chunk is the longest that fits.
+    quadratic = StepBudget(0.05, CostModel({"prefill_tokens": 1e-4, "prefill_attn": 1e-6, "prefills": 0.002,
+                                            "kernel_rows": 2e-3}, {"kernel_row_limit": 16}))
+    for seconds in (0.0021, 0.005, 0.02, 0.0341, 0.05, 0.3):
+        for start, rows in ((0, 0), (0, 9), (500, 3), (4000, 15), (100, 40)):
+            n = quadratic.prefill_tokens(seconds, start, rows)
+            assert quadratic.chunk_time(n, start, rows) <= seconds + 1e-15 < quadratic.chunk_time(n + 1, start, rows)
+
+
+def test_a_plan_prices_its_rows_under_the_kernel_s_limit_and_counts_them_in_its_shape() -> None:
+    decode, chunk = _request("d", 8, 100), _request("c", 30, 300)
+    decode.num_computed_tokens = 8
+    decode.append_output_token(7)
+    plan = StepPlan(64, StepBudget(0.05, HINGE), [decode])
+    assert plan.time_left == pytest.approx(0.050 - 0.015)
+    plan.take(decode, 1, [], 8)
+    assert plan.token_budget(chunk, 0) == 7 + 7  # 7 tokens under the limit (28 ms), 7 past it (7 ms)
+    plan.take(chunk, 10, [], 0)
+    assert plan.time_left == pytest.approx(0.035 - 0.010 - 7 * 0.003)
+    assert plan.shape({"d": decode, "c": chunk}, HINGE.row_limit) == StepShape(
+        num_seqs=2, prefill_tokens=10, decode_seqs=1, kv_tokens=9, prefill_attn=100, prefills=1, sampled=1,
+        kernel_rows=8)
+
+
+def test_refit_learns_the_price_of_rows_under_the_kernel_s_limit_from_steps_on_both_sides() -> None:
+    truth = CostModel({"const": 0.008, "prefill_tokens": 3e-3, "decode_seqs": 3.5e-3, "kv_tokens": 9e-6,
+                       "kernel_rows": 4.5e-3}, {"kernel_row_limit": 16})
+    shapes = [StepShape(num_seqs=d, decode_seqs=d, kv_tokens=d * c, sampled=d, kernel_rows=min(d, 16))
+              for d in (1, 2, 4, 8, 16, 24, 32) for c in (100, 400)]
+    fitted = refit(CostModel.default().with_metadata(kernel_row_limit=16), *_timed(truth, shapes))
+    assert fitted.coefficients["kernel_rows"] == pytest.approx(4.5e-3, rel=1e-6)
+    assert fitted.coefficients["decode_seqs"] == pytest.approx(3.5e-3, rel=1e-6)
+    assert fitted.row_limit == 16  # kept: the shapes it prices are still counted with it
+
+
 def _shape(prefill: int, decodes: int, context: int) -> StepShape:
     return StepShape(num_seqs=decodes + (prefill > 0), prefill_tokens=prefill, decode_seqs=decodes,
                      kv_tokens=decodes * context, prefill_attn=prefill * prefill, prefills=int(prefill > 0),
@@ -228,8 +281,8 @@ def test_a_plans_shape_counts_what_the_step_computes() -> None:
     assert plan.time_left == pytest.approx(0.038 - 0.018)
     assert plan.budget == 64 - 19
     requests = {r.request_id: r for r in (decode, prompt_end, chunk)}
-    assert plan.shape(requests) == StepShape(num_seqs=3, prefill_tokens=18, decode_seqs=1, kv_tokens=9,
-                                             prefill_attn=6 * 10 + 12 * 12, prefills=2, sampled=2)
+    assert plan.shape(requests, None) == StepShape(num_seqs=3, prefill_tokens=18, decode_seqs=1, kv_tokens=9,
+                                                   prefill_attn=6 * 10 + 12 * 12, prefills=2, sampled=2)
 
 
 def test_drafts_verified_with_a_decode_take_their_time_from_the_prefills() -> None:
@@ -242,7 +295,8 @@ def test_drafts_verified_with_a_decode_take_their_time_from_the_prefills() -> No
     plan.add_drafts(decode, 4, [[5]])
     assert plan.time_left == pytest.approx(0.050 - 0.012 - 4 * 0.003)
     assert (plan.budget, plan.scheduled, plan.new_blocks) == (64 - 5, {"d": 5}, {"d": [[5]]})
-    assert plan.shape({"d": decode}) == StepShape(num_seqs=1, decode_seqs=1, kv_tokens=9, sampled=1, draft_tokens=4)
+    assert plan.shape({"d": decode}, None) == StepShape(num_seqs=1, decode_seqs=1, kv_tokens=9, sampled=1,
+                                                        draft_tokens=4)
     truth = CostModel({"const": 0.01, "decode_seqs": 0.002, "draft_tokens": 0.0015})
     samples = _timed(truth, [StepShape(num_seqs=d, decode_seqs=d, sampled=d, draft_tokens=k)
                              for d in (1, 2, 4) for k in (0, 3, 8)])

@@ -27,6 +27,7 @@ from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear, 
 from cadence.errors import EngineDeadError
 from cadence.executor.multiproc import MultiprocExecutor
 from cadence.quantization.blocks import quantize_int8
+from cadence.quantization.packed import kernel_available, kernel_takes_every_batch
 
 # A hang guard only: generation here takes a few seconds.
 HANG_GUARD_S = 300
@@ -192,6 +193,9 @@ def test_tp2_over_gloo_picks_tp1_tokens_on_smollm2() -> None:
     tp2 = LLM(dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
     try:
         assert generate(tp2, prompts, 16) == generate(tp1, prompts, 16)
+        # The ranks report the Q4_1 layers' row limit, where one applies (AVX2 without VNNI).
+        limit = 16 if kernel_available() and not kernel_takes_every_batch(torch.float32) else None
+        assert tp2.engine_core.executor.kernel_row_limit == tp1.engine_core.executor.kernel_row_limit == limit
     finally:
         tp2.shutdown()
 

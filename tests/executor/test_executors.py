@@ -98,6 +98,7 @@ def test_one_rank_runs_in_process_with_the_kv_cache_allocated(make_tiny_model,
     try:
         assert isinstance(executor, UniExecutor)
         assert executor.num_blocks == executor.worker.num_blocks == NUM_BLOCKS
+        assert executor.kernel_row_limit is None  # float weights: no quantized kernel, no row limit
         runner = executor.worker.runner
         assert runner.block_size == BLOCK_SIZE and runner.states == {}
         shape = type(runner.backend).kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, 2, 16)  # 2 KV heads of 16
@@ -150,6 +151,7 @@ class FakeWorker:
     def __init__(self, config: EngineConfig, hf_config: Any, local_rank: int = 0) -> None:
         self.local_rank = local_rank
         self.num_blocks = 7
+        self.kernel_row_limit = 5
         self.threads = [threading.current_thread().name]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -175,7 +177,7 @@ def test_uni_executor_loads_and_steps_on_one_thread_of_its_own(uni: Callable[...
     executor = uni()
     worker = executor.worker
     assert isinstance(worker, FakeWorker)
-    assert executor.num_blocks == 7
+    assert (executor.num_blocks, executor.kernel_row_limit) == (7, 5)  # the worker's
     for i in range(3):
         assert executor.execute_model(step(i, {"a": 1})) == ModelRunnerOutput(i, ["a"], [42])
     assert len(worker.threads) == 4

@@ -305,3 +305,26 @@ def test_a_stack_s_parts_go_one_way_at_its_narrowest_limit(monkeypatch: pytest.M
         assert packed.kernel_row_limit(stack, torch.float32) == 2 < packed.kernel_row_limit(parts[0], torch.float32)
         expected = torch.cat([_dense_gemm(x, dequantize(p)) for p in parts], dim=-1)
     assert torch.equal(quantized_linear(x, stack, None), expected)
+
+
+@needs_kernel
+def test_a_model_s_row_limit_is_the_one_most_of_its_weights_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost model prices rows under the limit apart (``kernel_rows``): the model's is that of most
+    of its quantized elements, an 8-bit head beside 4-bit layers taking the layers'."""
+    monkeypatch.undo()
+    monkeypatch.setattr(packed, "vnni_available", lambda: False)  # the AVX2 kernel, whatever this CPU has
+
+    def linear(kind: GGMLQuantizationType, rows: int) -> torch.nn.Module:
+        module = torch.nn.Module()
+        module.weight = _weight(kind, rows=rows, blocks=3)[0]  # type: ignore[assignment]
+        return module
+
+    cpu = torch.device("cpu")
+    layers = torch.nn.Sequential(linear(Q.Q4_1, 70), linear(Q.Q4_1, 70), linear(Q.Q8_0, 100))
+    assert packed.model_row_limit(layers, torch.float32, cpu) == 16
+    assert packed.model_row_limit(torch.nn.Sequential(linear(Q.Q4_1, 70), linear(Q.Q8_0, 200)),
+                                  torch.float32, cpu) == 2
+    # bfloat16 rows always take the kernel; another device never does; nor does a float weight.
+    assert packed.model_row_limit(layers, torch.bfloat16, cpu) is None
+    assert packed.model_row_limit(layers, torch.float32, torch.device("meta")) is None
+    assert packed.model_row_limit(torch.nn.Linear(4, 4), torch.float32, cpu) is None

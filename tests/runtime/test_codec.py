@@ -59,7 +59,7 @@ EXAMPLES: list[Any] = [
                         prompt_logprobs=[m.PromptLogprobs("r2", 1, [LOGPROBS, LOGPROBS])]),
     m.ModelRunnerOutput(8, ["r1"], [13]),
     m.ExecutorFailed(7, "boom"),
-    m.WorkerReady(rank=1, num_blocks=40),
+    m.WorkerReady(rank=1, num_blocks=40, kernel_row_limit=16),
     m.WorkerFailed(rank=1, error="RuntimeError: boom"),
     OUTPUTS,
     m.EngineCoreOutputs([], timestamp=3.5,

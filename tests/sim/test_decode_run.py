@@ -28,22 +28,22 @@ LIMITS = EngineLimits(num_kv_blocks=64, block_size=4, max_model_len=256, max_num
 
 
 def _decoding(prompts: list[int], outputs: list[int], policy: str = "fcfs", limits: EngineLimits = LIMITS,
-              ) -> Scheduler:
+              costs: CostModel = COSTS) -> Scheduler:
     """A scheduler whose requests have all been prefilled and sampled their first token."""
     allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching)
     scheduler = Scheduler(limits.scheduler_config(policy), allocator, load_policy(policy, limits.policy_context()),
-                          cost_model=COSTS)
+                          cost_model=costs)
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         params = SamplingParams(max_tokens=output, ignore_eos=True)
         scheduler.add_request(Request(f"r{i}", list(range(100 * i, 100 * i + prompt)), params, None, 0.0, 256))
-    runner = SimulatedRunner(COSTS)
+    runner = SimulatedRunner(costs)
     while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):
         scheduler.update_from_output(runner.execute(scheduler.schedule())[0])
     return scheduler
 
 
-def _run(scheduler: Scheduler, max_steps: int = 10**6) -> DecodeRun:
-    run = plan_decode_run(scheduler, COSTS, 1.5, max_steps)
+def _run(scheduler: Scheduler, max_steps: int = 10**6, costs: CostModel = COSTS) -> DecodeRun:
+    run = plan_decode_run(scheduler, costs, 1.5, max_steps)
     assert run is not None
     return run
 
@@ -64,6 +64,16 @@ def test_each_step_of_a_run_is_priced_as_its_shape_is_one_by_one() -> None:
     assert run.free_blocks.tolist() == [
         64 - 1 - 3 - 2 - 8 - sum(((length + j) % 4 == 1) for length in (11, 8, 31) for j in range(k + 1))
         for k in range(24)]
+
+
+@pytest.mark.parametrize("limit", [2, 3, 16])
+def test_a_run_counts_the_rows_under_the_kernel_s_limit_as_each_step_would(limit: int) -> None:
+    costs = CostModel({**COSTS.coefficients, "kernel_rows": 0.0011}, {"kernel_row_limit": limit})
+    run = _run(_decoding([10, 7, 30], [40, 25, 60], costs=costs), costs=costs)
+    shapes = [StepShape(num_seqs=3, decode_seqs=3, kv_tokens=11 + 8 + 31 + 3 * j, sampled=3,
+                        kernel_rows=min(3, limit)) for j in range(24)]
+    assert [run.shape(j) for j in range(24)] == shapes
+    assert run.durations.tolist() == [costs.step_time(s) for s in shapes]  # bit for bit
 
 
 def test_a_run_stops_before_the_step_that_finds_no_free_block() -> None:

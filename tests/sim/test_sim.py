@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cadence.core.cost_model import step_shape
 from cadence.core.scheduler import Scheduler
 from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
 from cadence.messages import SchedulerOutput
@@ -132,10 +133,46 @@ def test_fit_recovers_known_coefficients() -> None:
     assert quality.total_time_ratio == pytest.approx(1.0, rel=0.02)
 
 
+def test_rows_under_the_kernel_s_limit_are_a_hinge_the_fit_recovers() -> None:
+    """Past the quantized kernel's row limit a float GEMM takes the linear layers at a lower price a
+    row: ``kernel_rows`` is ``min(rows, limit)``, drafts and prompt tokens counted as rows."""
+    limit = 16
+    assert step_shape([(1, 40, True, 0)] * 5, limit).kernel_rows == 5
+    assert step_shape([(1, 40, True, 0)] * 5 + [(30, 30, True, 0)], limit).kernel_rows == 16
+    assert step_shape([(4, 40, True, 3)] * 3, limit).kernel_rows == 12  # a decode and 3 drafts: 4 rows
+    assert step_shape([(1, 40, True, 0)] * 40, None).kernel_rows == 0  # no limit: the kernel takes all
+    truth = CostModel({"const": 0.008, "prefill_tokens": 3e-3, "decode_seqs": 3.5e-3, "kv_tokens": 9e-6,
+                       "prefills": 0.015, "kernel_rows": 4.5e-3}, {"kernel_row_limit": limit})
+    rng = np.random.default_rng(1)
+    shapes = [step_shape([(1, int(rng.integers(20, 900)), True, 0)] * int(rng.integers(1, 40))
+                         + [(int(rng.integers(2, 300)), 300, True, 0)] * int(rng.integers(0, 2)), limit)
+              for _ in range(200)]
+    model, _ = fit_cost_model(shapes, [truth.step_time(s) for s in shapes])
+    for name, value in truth.coefficients.items():
+        assert model.coefficients[name] == pytest.approx(value, rel=1e-6, abs=1e-12), name
+    # The fast-forward's decode steps, bit for bit, on both sides of the limit.
+    for n in (3, 16, 17, 40):
+        kv = np.array([5 * n, 7 * n + 3, 12345])
+        assert truth.decode_step_times(n, kv).tolist() == [truth.step_time(step_shape(
+            [(1, int(k) // n, True, 0)] * (n - 1) + [(1, int(k) - (n - 1) * (int(k) // n), True, 0)], limit))
+            for k in kv]
+
+
+def test_a_version_2_cost_model_still_loads_and_prices_steps_as_it_did(tmp_path: Path) -> None:
+    coefficients = {"const": 0.01, "decode_seqs": 0.002, "kv_tokens": 1e-7}
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps({"format": "cadence-cost-model", "version": 2, "coefficients": coefficients,
+                                "metadata": {"model": "m"}}))
+    model = CostModel.load(path)
+    assert model.coefficients == coefficients and model.row_limit is None
+    assert model.step_time(StepShape(num_seqs=3, decode_seqs=3, kv_tokens=100, sampled=3)) == pytest.approx(0.01601)
+
+
 def test_cost_model_round_trips_and_rejects_other_files(tmp_path: Path) -> None:
-    model = CostModel({"const": 0.01, "kv_tokens": 1e-7}, {"model": "m", "dtype": "bfloat16"})
+    model = CostModel({"const": 0.01, "kv_tokens": 1e-7, "kernel_rows": 1e-3},
+                      {"model": "m", "dtype": "bfloat16", "kernel_row_limit": 16})
     model.save(tmp_path / "costs.json")
-    assert CostModel.load(tmp_path / "costs.json") == model
+    assert CostModel.load(tmp_path / "costs.json") == model and model.row_limit == 16
     (tmp_path / "other.json").write_text('{"hello": 1}')
     with pytest.raises(ValueError, match="not a cadence cost model"):
         CostModel.load(tmp_path / "other.json")

@@ -5,6 +5,7 @@ timings (``cadence/sim/calibrate.py``), and replaying a workload against the tin
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,6 +67,15 @@ def test_the_tracker_turns_each_step_into_its_shape_and_samplers() -> None:
         assert tracker.step(out) == (shape, sampled), out.step_id
         sizes.append(len(tracker))
     assert sizes == [2, 2, 3, 1, 2]
+
+
+def test_the_tracker_counts_rows_under_the_kernel_s_limit_and_the_simulated_runner_uses_its_model_s() -> None:
+    tracker = ShapeTracker(row_limit=2)
+    limited = [dataclasses.replace(shape, kernel_rows=min(shape.num_tokens, 2)) for _, shape, _ in steps_and_shapes()]
+    assert [tracker.step(out)[0] for out, _, _ in steps_and_shapes()] == limited
+    runner = SimulatedRunner(CostModel({"const": 0.5, "kernel_rows": 0.25}, {"kernel_row_limit": 2}))
+    assert [runner.execute(out)[2] for out, _, _ in steps_and_shapes()] == [0.5 + 0.25 * s.kernel_rows
+                                                                               for s in limited]
 
 
 def test_a_step_without_tokens_is_empty() -> None:
@@ -199,7 +209,7 @@ def test_replay_returns_one_record_per_spec_in_the_specs_order(llm: LLM) -> None
     assert replay(llm, []) == []
 
 
-def test_time_steps_times_every_step_of_each_phase(llm: LLM) -> None:
+def test_time_steps_times_every_step_of_each_phase(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     plan = [Phase("warm-up", [RequestSpec(0.0, 4, 2)]),
             Phase("burst", [RequestSpec(0.0, 6, 3), RequestSpec(0.0, 5, 2), RequestSpec(0.0, 3, 1)])]
     messages: list[str] = []
@@ -216,6 +226,10 @@ def test_time_steps_times_every_step_of_each_phase(llm: LLM) -> None:
     assert all(s.start <= s.end for s in steps)
     assert all(a.end <= b.start for a, b in itertools.pairwise(steps))
     assert llm.engine_core.executor is executor  # put back afterwards
+    # The shapes count rows under the workers' kernel row limit, where they have one.
+    monkeypatch.setattr(executor, "kernel_row_limit", 3, raising=False)
+    steps = time_steps(llm, plan[1:], seed=0)
+    assert [s.shape.kernel_rows for s in steps] == [min(3, s.shape.num_tokens) for s in steps] != [0] * len(steps)
 
 
 def test_a_draft_models_proposals_are_fitted_on_the_time_the_worker_reports_for_them(llm: LLM) -> None:
@@ -253,7 +267,7 @@ def test_fit_timed_steps_fits_the_cycles_and_says_how_they_were_measured(llm: LL
     model, quality = fit_timed_steps(llm, steps, wall_time_s=12.34)
     assert model.coefficients == pytest.approx({"const": 0.01, "prefill_tokens": 0.001, "decode_seqs": 0.002,
                                                 "kv_tokens": 0.0, "prefill_attn": 0.0, "prefills": 0.0,
-                                                "sampled": 0.0, "draft_tokens": 0.0}, abs=1e-9)
+                                                "sampled": 0.0, "draft_tokens": 0.0, "kernel_rows": 0.0}, abs=1e-9)
     assert quality.num_samples == len(shapes) - 1  # pairs: the last step has no next start
     meta = model.metadata
     assert meta["dtype"] == "float32" and meta["device"] == "cpu" and meta["tensor_parallel_size"] == 1
@@ -262,3 +276,4 @@ def test_fit_timed_steps_fits_the_cycles_and_says_how_they_were_measured(llm: LL
     assert meta["max_num_seqs"] == llm.config.scheduler.max_num_seqs
     assert meta["fit"]["num_samples"] == quality.num_samples
     assert meta["model"] == Path(llm.config.model.path).name and meta["attention_backend"] == "sdpa"
+    assert meta["kernel_row_limit"] is None  # unquantized weights: every row takes the same GEMM
