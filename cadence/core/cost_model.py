@@ -125,6 +125,13 @@ def kernel_rows(rows: int, row_limit: int | None) -> int:
     return 0 if row_limit is None else min(rows, row_limit)
 
 
+def decode_shape(num_seqs: int, kv_tokens: int, row_limit: int | None) -> StepShape:
+    """A decode-only step of ``num_seqs`` requests that each sample a token, none drafting, their
+    contexts summing to ``kv_tokens``: :func:`step_shape` of such a step."""
+    return StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, kv_tokens=kv_tokens, sampled=num_seqs,
+                     kernel_rows=kernel_rows(num_seqs, row_limit))
+
+
 def step_shape(chunks: Iterable[tuple[int, int, bool, int]], row_limit: int | None = None) -> StepShape:
     """The shape of a step from each request's part in it: (tokens scheduled, its position after
     them, whether it samples a token, how many of those tokens are drafts it verifies), for the

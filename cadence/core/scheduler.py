@@ -320,7 +320,7 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
         if self.step_budget is not None:
-            self.last_shape = step.shape(self.requests, self.step_budget.model.row_limit)
+            self.last_shape = step.shape(self.requests)
         self._last_num_tokens = sum(step.scheduled.values())
         preempted_ids = [r.request_id for r in step.preempted if r.request_id in self._on_worker]
         self._on_worker.difference_update(preempted_ids)

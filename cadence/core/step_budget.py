@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cadence.core.cost_model import FEATURES, CostModel, StepShape, fit_features, kernel_rows
+from cadence.core.cost_model import FEATURES, CostModel, StepShape, decode_shape, fit_features
 
 
 class StepBudget:
@@ -65,8 +65,7 @@ class StepBudget:
         keep = seconds > 0
         if not keep.all():
             kv_tokens, seconds = kv_tokens[keep], seconds[keep]
-        features = StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, sampled=num_seqs,
-                             kernel_rows=kernel_rows(num_seqs, self.model.row_limit)).features()
+        features = decode_shape(num_seqs, 0, self.model.row_limit).features()
         done, window = 0, len(self._times)
         while done < len(seconds):  # up to each refit (and the ring's end), as one step at a time would
             row = self._num_samples % window
@@ -106,9 +105,7 @@ class StepBudget:
         return max(self.target_s, 2 * future) - decodes
 
     def _decode_time(self, num_seqs: int, kv_tokens: int) -> float:
-        return self.model.step_time(StepShape(num_seqs=num_seqs, decode_seqs=num_seqs, kv_tokens=kv_tokens,
-                                              sampled=num_seqs,
-                                              kernel_rows=kernel_rows(num_seqs, self.model.row_limit)))
+        return self.model.step_time(decode_shape(num_seqs, kv_tokens, self.model.row_limit))
 
     def prefill_tokens(self, seconds: float, start: int, rows: int = 0) -> int:
         """The longest chunk, starting at position ``start``, that one request computes in ``seconds``

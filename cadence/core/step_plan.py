@@ -84,12 +84,12 @@ class StepPlan:
         self.new_blocks.pop(request.request_id, None)
         self.drafts.pop(request.request_id, None)
 
-    def shape(self, requests: Mapping[str, Request], row_limit: int | None) -> StepShape:
-        """What the step computes, before the requests' computed counts move past it, for the quantized
-        kernel's ``row_limit``."""
+    def shape(self, requests: Mapping[str, Request]) -> StepShape:
+        """What the step computes, before the requests' computed counts move past it (``kernel_rows``
+        counted with its step budget's model's row limit)."""
         chunks = []
         for request_id, num in self.scheduled.items():
             request = requests[request_id]
             end, drafts = request.num_computed_tokens + num, self.drafts.get(request_id, 0)
             chunks.append((num, end, end == request.num_tokens + drafts, drafts))
-        return step_shape(chunks, row_limit)
+        return step_shape(chunks, None if self.step_budget is None else self.step_budget.model.row_limit)

@@ -260,8 +260,7 @@ def model_row_limit(model: torch.nn.Module, dtype: torch.dtype, device: torch.de
     sliver of the model). None where the kernel takes every batch, or none runs (another device or
     dtype, no kernel built), or nothing is quantized. The cost model prices rows under it apart
     (``core/cost_model.py``, ``kernel_rows``)."""
-    if device.type != "cpu" or dtype not in KERNEL_DTYPES or kernel_takes_every_batch(dtype) \
-            or not kernel_available():
+    if not kernel_runs_on(device, dtype):
         return None
     elements: dict[int, int] = {}
     for module in model.modules():
@@ -281,7 +280,12 @@ def kernel_available() -> bool:
 
 def kernel_runs(x: torch.Tensor) -> bool:
     """Whether ``x @ W.T`` goes through a kernel: ``x`` float32 or bfloat16 on the CPU, a kernel here."""
-    return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and kernel_available()
+    return kernel_runs_on(x.device, x.dtype)
+
+
+def kernel_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`kernel_runs` of activations of ``dtype`` on ``device``."""
+    return device.type == "cpu" and dtype in KERNEL_DTYPES and kernel_available()
 
 
 def quantized_linear(x: torch.Tensor, matrix: QuantizedMatrix | QuantizedRowStack,

@@ -140,7 +140,6 @@ class _TimingExecutor:
 
     def __init__(self, executor: Executor, draft_model: bool) -> None:
         self.executor = executor
-        self.kernel_row_limit = executor.kernel_row_limit
         self.tracker = ShapeTracker(draft_model, row_limit=executor.kernel_row_limit)
         self.steps: list[TimedStep] = []
         self.phase = 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cadence.core.cost_model import CostModel, StepShape, kernel_rows
+from cadence.core.cost_model import CostModel, StepShape, decode_shape
 from cadence.core.scheduler import Scheduler
 from cadence.messages import EngineCoreOutput
 from cadence.request import Request, RequestStatus
@@ -57,9 +57,7 @@ class DecodeRun:
         return int(np.searchsorted(self.starts[1:], time, side="left"))
 
     def shape(self, step: int) -> StepShape:
-        n = len(self.requests)
-        return StepShape(num_seqs=n, decode_seqs=n, kv_tokens=int(self.kv_tokens[step]), sampled=n,
-                         kernel_rows=kernel_rows(n, self.row_limit))
+        return decode_shape(len(self.requests), int(self.kv_tokens[step]), self.row_limit)
 
 
 def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max_steps: int) -> DecodeRun | None:

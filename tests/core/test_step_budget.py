@@ -97,7 +97,7 @@ def test_a_plan_prices_its_rows_under_the_kernel_s_limit_and_counts_them_in_its_
     assert plan.token_budget(chunk, 0) == 7 + 7  # 7 tokens under the limit (28 ms), 7 past it (7 ms)
     plan.take(chunk, 10, [], 0)
     assert plan.time_left == pytest.approx(0.035 - 0.010 - 7 * 0.003)
-    assert plan.shape({"d": decode, "c": chunk}, HINGE.row_limit) == StepShape(
+    assert plan.shape({"d": decode, "c": chunk}) == StepShape(
         num_seqs=2, prefill_tokens=10, decode_seqs=1, kv_tokens=9, prefill_attn=100, prefills=1, sampled=1,
         kernel_rows=8)
 
@@ -281,7 +281,7 @@ def test_a_plans_shape_counts_what_the_step_computes() -> None:
     assert plan.time_left == pytest.approx(0.038 - 0.018)
     assert plan.budget == 64 - 19
     requests = {r.request_id: r for r in (decode, prompt_end, chunk)}
-    assert plan.shape(requests, None) == StepShape(num_seqs=3, prefill_tokens=18, decode_seqs=1, kv_tokens=9,
+    assert plan.shape(requests) == StepShape(num_seqs=3, prefill_tokens=18, decode_seqs=1, kv_tokens=9,
                                                    prefill_attn=6 * 10 + 12 * 12, prefills=2, sampled=2)
 
 
@@ -295,7 +295,7 @@ def test_drafts_verified_with_a_decode_take_their_time_from_the_prefills() -> No
     plan.add_drafts(decode, 4, [[5]])
     assert plan.time_left == pytest.approx(0.050 - 0.012 - 4 * 0.003)
     assert (plan.budget, plan.scheduled, plan.new_blocks) == (64 - 5, {"d": 5}, {"d": [[5]]})
-    assert plan.shape({"d": decode}, None) == StepShape(num_seqs=1, decode_seqs=1, kv_tokens=9, sampled=1,
+    assert plan.shape({"d": decode}) == StepShape(num_seqs=1, decode_seqs=1, kv_tokens=9, sampled=1,
                                                         draft_tokens=4)
     truth = CostModel({"const": 0.01, "decode_seqs": 0.002, "draft_tokens": 0.0015})
     samples = _timed(truth, [StepShape(num_seqs=d, decode_seqs=d, sampled=d, draft_tokens=k)
