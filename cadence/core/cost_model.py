@@ -297,7 +297,7 @@ def fit_cost_model(
         raise ValueError(f"{len(shapes)} shapes but {len(times)} times")
     x = np.array([shape.features() for shape in shapes], dtype=np.float64).reshape(len(shapes), len(FEATURES))
     y = np.asarray(times, dtype=np.float64)
-    model = CostModel(fit_features(x, y, features=features, relative=relative), dict(metadata or {}))
+    model = CostModel(fit_features(x, y, features=features, relative=relative)[0], dict(metadata or {}))
     return model, _quality(model.predict(x), y)
 
 
@@ -308,9 +308,10 @@ def fit_features(
     features: Iterable[str] = FEATURES,
     relative: bool = True,
     offset: float | np.ndarray = 0.0,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], np.ndarray]:
     """:func:`fit_cost_model`'s coefficients of ``features``, for steps given as rows of feature values
-    (:data:`FEATURES` order) and their times. ``offset`` is a part of every step's time already known
+    (:data:`FEATURES` order) and their times, and which steps the fit kept (a boolean per step: the
+    others were left out as outliers). ``offset`` is a part of every step's time already known
     (features held at known coefficients; one value, or one per step): ``features`` are fitted to the rest.
 
     :raises ValueError: with fewer samples than features, a non-positive time, or a fit that does not
@@ -339,7 +340,7 @@ def fit_features(
         # steps, and the simulator's times, without noise, get there at once.
         if all(abs(c - p) <= _FIXED_POINT * abs(p) for c, p in zip(coef.tolist(), previous.tolist(), strict=True)):
             break
-    return dict(zip(names, coef.tolist(), strict=True))
+    return dict(zip(names, coef.tolist(), strict=True)), np.ones(len(y), dtype=bool) if keep is None else keep
 
 
 _NNLS_ITERATIONS = 30  # per feature; SciPy's default, 3, can stop short of a degenerate window's answer

@@ -165,27 +165,49 @@ ONLINE_FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "draft
 def refit(model: CostModel, features: np.ndarray, times: np.ndarray) -> CostModel:
     """A model of :data:`ONLINE_FEATURES` fitted to steps (rows of :data:`FEATURES` values and their
     times); a feature they never vary, or vary only as the others do, keeps ``model``'s coefficient
-    and its share of their times."""
+    and its share of their times, and so does one that only steps left out as outliers varied."""
     if not len(times) or _predicts(model, features, times):
         return model
+    kept = {name: model.coefficients.get(name, 0.0) for name in ONLINE_FEATURES}
+    for _ in range(_SELECTIONS):
+        fitted_names = _fitted_names(features)
+        # A feature held at one value costs every step alike, as the constant term does: fitted with
+        # it, that term would learn its share a second time (a decode-only window at one batch size
+        # would then price every decode twice). One the window moves only with the others is held
+        # too: the steps cannot tell its cost from theirs (a window of a prompt and then one request
+        # decoding gave a decode the cost of none, and streams their steps' length ignored).
+        held_names = [name for name in kept if name not in fitted_names]
+        held = features[:, [_COLUMN[name] for name in held_names]] @ np.array([kept[name] for name in held_names])
+        try:
+            fitted, inliers = fit_features(features, times, features=fitted_names, offset=held)
+        except ValueError:  # too few samples for the features, or a fit that did not converge
+            return model
+        # The steps left out may have been all that moved a feature: a window's few prompts, which the
+        # online form prices worst (a long first chunk's attention). The steps kept say nothing of its
+        # cost, and a fit gave it none (prompts free: the next chunk took the whole token budget
+        # beside a stream). Fitted again on the steps kept, it is held.
+        if inliers.all() or not _lost_support(features[inliers], fitted_names):
+            break
+        features, times = features[inliers], times[inliers]
+    return CostModel({**kept, **fitted}, {**model.metadata, "source": "refitted while running"})
+
+
+_SELECTIONS = 3  # fits of a window, each on the steps the one before kept, to settle what is fitted
+
+
+def _fitted_names(features: np.ndarray) -> list[str]:
+    """The online features whose costs ``features``' steps tell apart (the constant always)."""
     low, high = features.min(axis=0), features.max(axis=0)
     varied = [name for name, lo, hi in zip(FEATURES, low, high, strict=True)
               if name == "const" or (name in ONLINE_FEATURES and hi > lo)]
     # Two columns that both vary, one of them the constant, are always told apart.
-    fitted_names = _separable(features, varied) if len(varied) > 2 else varied
-    kept = {name: model.coefficients.get(name, 0.0) for name in ONLINE_FEATURES}
-    # A feature held at one value costs every step alike, as the constant term does: fitted with it,
-    # that term would learn its share a second time (a decode-only window at one batch size would
-    # then price every decode twice). One the window moves only with the others is held too: the
-    # steps cannot tell its cost from theirs (a window of a prompt and then one request decoding
-    # gave a decode the cost of none, and streams their steps' length ignored).
-    held_names = [name for name in kept if name not in fitted_names]
-    held = features[:, [_COLUMN[name] for name in held_names]] @ np.array([kept[name] for name in held_names])
-    try:
-        fitted = fit_features(features, times, features=fitted_names, offset=held)
-    except ValueError:  # too few samples for the features, or a fit that did not converge
-        return model
-    return CostModel({**kept, **fitted}, {**model.metadata, "source": "refitted while running"})
+    return _separable(features, varied) if len(varied) > 2 else varied
+
+
+def _lost_support(features: np.ndarray, names: list[str]) -> bool:
+    """Whether some of ``names`` but the constant is held at one value over ``features``' steps."""
+    columns = features[:, [_COLUMN[name] for name in names if name != "const"]]
+    return bool((columns.min(axis=0) == columns.max(axis=0)).any())
 
 
 def _separable(features: np.ndarray, names: list[str]) -> list[str]:

@@ -169,6 +169,24 @@ def test_a_feature_that_moves_only_with_the_others_keeps_its_price() -> None:
     assert refit(prior, *both).coefficients["decode_seqs"] == pytest.approx(3e-3, rel=1e-6)
 
 
+def test_a_feature_only_outliers_moved_keeps_its_price() -> None:
+    """A first client's long prompt, then its request decoding alone: the prompt's chunks, whose
+    attention the online form cannot price, are left out as outliers, and with them every step that
+    had prefill tokens. The fit used to price prefill tokens (and a decode, moved only with the
+    constant then) at nothing, and the next prompt took the whole token budget beside the stream."""
+    truth = CostModel.default()
+    last_chunk = StepShape(num_seqs=1, prefill_tokens=8, prefill_attn=8 * 520, prefills=1, sampled=1)  # of 520
+    prompts = [_shape(221, 0, 0), _shape(512, 0, 0), last_chunk]
+    window = _timed(truth, prompts + [_shape(0, 1, 222 + j) for j in range(125)])
+    fitted = refit(truth, *window)
+    assert fitted.coefficients["prefill_tokens"] == truth.coefficients["prefill_tokens"]
+    assert fitted.coefficients["decode_seqs"] == truth.coefficients["decode_seqs"]
+    for shape in (_shape(0, 1, 300), _shape(0, 1, 400)):  # the decodes it kept are priced exactly
+        assert fitted.step_time(shape) == pytest.approx(truth.step_time(shape), rel=1e-9)
+    budget = StepBudget(0.050, fitted)
+    assert budget.prefill_tokens(budget.prefill_time([300]), 0) < 60
+
+
 def test_a_model_of_the_online_form_that_predicts_every_step_is_kept_as_it_is() -> None:
     online = CostModel({"const": 0.006, "decode_seqs": 1e-3, "kv_tokens": 2e-6, "prefill_tokens": 7e-4})
     steps = _timed(online, [_shape(p, d, 100 + d) for p in (0, 48) for d in (1, 3, 6)])
