@@ -15,6 +15,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from cadence.config import EngineConfig
+from cadence.core.engine_description import engine_description
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
 from cadence.core.scheduler_actor import SchedulerActor
@@ -73,9 +74,11 @@ class EngineCore:
         # Loads the tokenizer and xgrammar only when the first constrained request arrives.
         grammars = StructuredOutputManager(functools.partial(load_tokenizer, config.model.path), hf_config.vocab_size)
         speculation = None if config.speculative is None else SpecDecoding(config.speculative)
+        trace = scheduling_trace_of(config)
+        if trace is not None:
+            trace.engine(engine_description(config, hf_config, executor), simulated=False)
         return cls(config, hf_config, executor, allocator, Scheduler(sched, allocator, policy, grammars, costs,
-                                                                     trace=scheduling_trace_of(config),
-                                                                     speculation=speculation))
+                                                                     trace=trace, speculation=speculation))
 
     def actors(self, outputs_to: Mailbox[Any]) -> tuple[SchedulerActor, ExecutorActor]:
         """Fresh scheduler and executor actors over these components; the scheduler actor takes

@@ -6,6 +6,12 @@ the step being built; a request's events in step ``s`` happened while ``s`` was 
 ``t``, the policy's clock (wall seconds in the engine, the trace's virtual seconds in the
 simulator). Events:
 
+- ``engine``, the first line: what the steps ran on. ``simulated``, ``kernel_row_limit`` (the
+  quantized kernel's row limit the step shapes are counted with: ``core/cost_model.py``),
+  ``speculative`` (the method, or null), and the engine's description
+  (``core/engine_description.py``: model, dtype, quantization, threads, ...) or, from the
+  simulator, its cost model's. With the ``scheduled`` events and the steps' times it is enough to
+  fit a cost model (``cadence simulate calibrate --from-trace``).
 - ``arrival``: ``request``, ``client_id`` (the caller's request id, when the engine knows it; each
   of its ``n`` sequences is a request of its own), ``prompt_tokens``, ``max_tokens``, ``priority``,
   ``user``, ``extra_args``.
@@ -31,6 +37,7 @@ simulator). Events:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -62,6 +69,10 @@ class SchedulingTrace:
         self._encoder = msgspec.json.Encoder()
         self.step = 0
         self.time = 0.0
+
+    def engine(self, description: Mapping[str, Any], simulated: bool) -> None:
+        """The first event: what the steps ran on (see the module's docstring)."""
+        self.event("engine", simulated=simulated, **description)
 
     def at(self, step: int, time: float) -> None:
         """The step being built and the policy's time now: stamped on every event until the next call."""

@@ -19,16 +19,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import os
-import platform
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from cadence.config import threads_per_rank
 from cadence.core.cost_model import (
     DRAFT_FEATURES,
     FEATURES,
@@ -38,6 +35,7 @@ from cadence.core.cost_model import (
     fit_cost_model,
     fit_quality,
 )
+from cadence.core.engine_description import engine_description
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.sim.replay import replay
 from cadence.sim.runner import ShapeTracker
@@ -218,14 +216,25 @@ def calibrate(engine: LLM, plan: Sequence[Phase] | None = None, seed: int = 0,
 
 def fit_timed_steps(engine: LLM, steps: Sequence[TimedStep],
                     wall_time_s: float | None = None) -> tuple[CostModel, FitQuality]:
-    """The cost model of :func:`time_steps`' timings, with where and how they were measured.
+    """The cost model of :func:`time_steps`' timings, with where and how they were measured."""
+    core = engine.engine_core
+    return fit_steps(steps, engine_description(engine.config, core.hf_config, core.executor), wall_time_s)
+
+
+def fit_steps(steps: Sequence[TimedStep], description: Mapping[str, Any], wall_time_s: float | None = None,
+              skip_phases: Sequence[int] = (0,)) -> tuple[CostModel, FitQuality]:
+    """The cost model of timed steps (phases in ``skip_phases`` left out: a warm-up), with the
+    engine's ``description`` (``core/engine_description.py``) and how they were measured.
 
     A draft model's proposals are fitted apart, on the time the worker reports for them: the drafts
     asked after a step and those it verified move together (always, with a draft that is always
     right), so one fit of both would split their cost between them at random.
+
+    :raises ValueError: with fewer back-to-back steps than features.
     """
-    kept, cycles, median_gap = _cycles(steps, (0,))
-    metadata = _metadata(engine, len(steps), median_gap)
+    kept, cycles, median_gap = _cycles(steps, skip_phases)
+    metadata = {**description, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "num_steps_timed": len(steps), "median_loop_gap_s": median_gap}
     shapes = [step.shape for step in kept]
     own = [cycle - step.draft_s for step, cycle in zip(kept, cycles, strict=True)]
     model, _ = fit_cost_model(shapes, own, features=[f for f in FEATURES if f not in DRAFT_FEATURES])
@@ -241,45 +250,3 @@ def fit_timed_steps(engine: LLM, steps: Sequence[TimedStep],
     if wall_time_s is not None:
         metadata["calibration_wall_time_s"] = round(wall_time_s, 1)
     return CostModel(model.coefficients, metadata), quality
-
-
-def _metadata(engine: LLM, num_steps: int, median_gap: float) -> dict[str, Any]:
-    import torch
-
-    config = engine.config
-    return {
-        "model": os.path.basename(config.model.path.rstrip("/")),
-        "model_path": config.model.path,
-        "dtype": config.model.dtype,
-        "quantization": config.model.quantization,
-        "device": config.device.device,
-        "attention_backend": _attention_backend(engine),
-        # Each rank's: the workers of several ranks run in other processes, with their share.
-        "threads": torch.get_num_threads() if config.parallel.tensor_parallel_size == 1
-        else threads_per_rank(config.device, config.parallel),
-        "tensor_parallel_size": config.parallel.tensor_parallel_size,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "max_num_seqs": config.scheduler.max_num_seqs,
-        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-        # Verified drafts can cost too little to measure (a small model's step is its overhead): the
-        # fit's draft_tokens is then 0, and this says it was looked for (CostModel.prices_speculation).
-        "speculative": None if config.speculative is None else config.speculative.method,
-        "num_steps_timed": num_steps,
-        "median_loop_gap_s": median_gap,
-        # The shapes were counted with it (kernel_rows); the simulator counts its steps' the same way.
-        "kernel_row_limit": engine.engine_core.executor.kernel_row_limit,
-    }
-
-
-
-def _attention_backend(engine: LLM) -> str:
-    """The backend the workers chose: the same choice, made again here (they may be in other processes)."""
-    from cadence.backends.registry import load_backend
-    from cadence.models.layers import head_dim_of
-
-    config = engine.config
-    return load_backend(config.device.attention_backend, config.device.torch_device, config.model.torch_dtype,
-                        head_dim_of(engine.engine_core.hf_config), config.cache.block_size).name

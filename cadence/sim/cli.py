@@ -50,6 +50,10 @@ def register(verbs: argparse._SubParsersAction[Any]) -> None:
     cal.add_argument("--output", default=None,
                      help="also write the cost model here (JSON); it is always stored as this machine's fit")
     cal.add_argument("--quick", action="store_true", help="a plan of a few seconds (small models, smoke tests)")
+    cal.add_argument("--from-trace", nargs="+", default=None, metavar="FILE",
+                     help="fit the steps of served runs' scheduling traces (--trace-scheduling) instead of timing "
+                          "a plan; engine options are then the trace's, and a real engine's fit is stored as this "
+                          "machine's (sim/trace_fit.py)")
     cal.set_defaults(run=run_calibrate)
 
 
@@ -172,7 +176,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
 
 
 def run_calibrate(ns: argparse.Namespace) -> int:
-    model = _calibrate(_serving_args(ns), ns.seed, ns.quick)
+    model = _fit_traces(ns.from_trace) if ns.from_trace else _calibrate(_serving_args(ns), ns.seed, ns.quick)
     print(model.describe())
     if ns.output:
         model.save(ns.output)
@@ -198,6 +202,20 @@ def _calibrate(args: EngineArgs, seed: int, quick: bool) -> CostModel:
     key = FitKey.of(engine.config)
     print(f"stored as this machine's fit for {key.describe()}: {store_fit(model, key)}", file=sys.stderr)
     engine.shutdown()
+    return model
+
+
+def _fit_traces(paths: list[str]) -> CostModel:
+    """The fit of the traces' steps, stored as this machine's for the engine they describe (a real one)."""
+    from cadence.sim.trace_fit import fit_traces
+
+    model, quality = fit_traces(paths)
+    print(f"fit over {quality.num_samples} steps: median relative error {100 * quality.median_rel_error:.1f}%, "
+          f"p90 {100 * quality.p90_rel_error:.1f}%, total time ratio {quality.total_time_ratio:.3f}", file=sys.stderr)
+    meta = model.metadata
+    if not meta.get("simulated"):
+        key = FitKey(str(meta["model"]), str(meta["dtype"]), str(meta["quantization"]), int(meta["threads"]))
+        print(f"stored as this machine's fit for {key.describe()}: {store_fit(model, key)}", file=sys.stderr)
     return model
 
 

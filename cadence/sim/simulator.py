@@ -268,6 +268,8 @@ def simulate(
                                    enable_kv_events=fleet is not None and fleet.observes_prefix_caches)
         path = None if trace_scheduling is None else ranked_path(trace_scheduling, rank, engines)
         trace = None if path is None else SchedulingTrace(path)
+        if trace is not None:
+            trace.engine(_description(model, speculative), simulated=True)
         scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, engine_policy,
                               cost_model=model, trace=trace,
                               speculation=None if speculative is None else SpecDecoding(speculative))
@@ -293,6 +295,13 @@ def simulate(
         spec_decode=None if speculative is None else SpecDecodeStats.total(
             [e.scheduler.speculation.stats() for e in sim_engines if e.scheduler.speculation is not None]),
     )
+
+
+def _description(model: CostModel, speculative: SpeculativeConfig | None) -> dict[str, Any]:
+    """A simulated engine's trace header: its cost model's description of the engine it models."""
+    described = {name: model.metadata.get(name) for name in ("model", "dtype", "quantization", "threads")}
+    return {**described, "kernel_row_limit": model.row_limit,
+            "speculative": None if speculative is None else speculative.method}
 
 
 def router_of(name: str, engines: int, limits: EngineLimits, seed: int) -> Router | None:

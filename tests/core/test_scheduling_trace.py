@@ -37,7 +37,9 @@ def test_a_queued_request_waits_for_a_seat_at_the_head_and_its_story_says_so(tmp
     limits = EngineLimits(num_kv_blocks=64, block_size=4, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64,
                           target_itl_ms=0.0)
     simulate(workload, limits, "fcfs", CostModel.constant(0.01), trace_scheduling=path)
-    trace = events(path)
+    header, *trace = events(path)
+    assert header == {"event": "engine", "step": 0, "t": 0.0, "simulated": True, "model": None, "dtype": None,
+                      "quantization": None, "threads": None, "kernel_row_limit": None, "speculative": None}
     assert [e["event"] for e in trace[:6]] == ["arrival", "arrival", "arrival", "blocked", "scheduled", "end"]
     assert {k: trace[3][k] for k in ("step", "head", "reason", "waiting")} == {
         "step": 1, "head": "b", "reason": "seats", "waiting": 2}
@@ -89,7 +91,7 @@ def test_the_engine_and_the_simulator_write_the_same_decisions_step_by_step(
 
     def decisions(path: Path) -> list[tuple[Any, ...]]:
         keys = ("event", "step", "request", "tokens", "start", "samples", "admitted", "cached", "head", "reason")
-        return [tuple(e.get(k) for k in keys) for e in events(path) if e["event"] != "end"]
+        return [tuple(e.get(k) for k in keys) for e in events(path) if e["event"] not in ("end", "engine")]
 
     assert decisions(real) == decisions(simulated)
     assert {e["client_id"] for e in events(real) if e["event"] == "arrival"} == {"1", "2", "3", "4"}
