@@ -27,7 +27,7 @@ def engine_description(config: EngineConfig, hf_config: PretrainedConfig, execut
         "dtype": config.model.dtype,
         "quantization": config.model.quantization,
         "device": config.device.device,
-        "attention_backend": attention_backend(config, hf_config),
+        "attention_backend": _attention_backend(config, hf_config),
         # Each rank's: the workers of several ranks run in other processes, with their share.
         "threads": torch.get_num_threads() if config.parallel.tensor_parallel_size == 1
         else threads_per_rank(config.device, config.parallel),
@@ -45,7 +45,7 @@ def engine_description(config: EngineConfig, hf_config: PretrainedConfig, execut
     }
 
 
-def attention_backend(config: EngineConfig, hf_config: PretrainedConfig) -> str:
+def _attention_backend(config: EngineConfig, hf_config: PretrainedConfig) -> str:
     """The backend the workers chose: the same choice, made again here (they may be in other processes)."""
     from cadence.backends.registry import load_backend
     from cadence.models.layers import head_dim_of
