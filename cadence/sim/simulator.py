@@ -35,6 +35,7 @@ from cadence.policies.loader import policy_class
 from cadence.sim.dashboard_report import SimDashboard
 from cadence.sim.run_loop import RunLoop, SimEngine, StepHook
 from cadence.sim.runner import ACCEPTANCE_ARG, SimulatedDrafts, SimulatedRunner
+from cadence.sim.start_model import start_model
 from cadence.sim.step_log import StepLog, StepRecord
 from cadence.sim.workload import RequestSpec
 
@@ -257,6 +258,8 @@ def simulate(
     fleet = router_of(router, engines, limits, seed)
     sim_engines = []
     policy_type = policy_class(policy) if isinstance(policy, str) else None  # found once: a lookup scans every package
+    starts = {id(model): start_model(model, limits.scheduler_config(), limits.num_kv_blocks, limits.block_size,
+                                     limits.max_model_len) for model in models}  # the step budgets' first models
     for rank, model in enumerate(models):
         if isinstance(policy, str):
             assert policy_type is not None
@@ -271,7 +274,7 @@ def simulate(
         if trace is not None:
             trace.engine(_description(model, speculative), simulated=True)
         scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, engine_policy,
-                              cost_model=model, trace=trace,
+                              cost_model=starts[id(model)], trace=trace,
                               speculation=None if speculative is None else SpecDecoding(speculative))
         sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model, drafts, seed + rank), on_step,
                                      fast_forward))

@@ -10,14 +10,21 @@ from typing import Any
 import pytest
 
 import cadence.core.start_fit as start_fit
+from cadence.config import EngineConfig
 from cadence.core.cost_model import CostModel, StepShape, kernel_rows
 from cadence.core.engine_core import EngineCore
+from cadence.core.scheduler import Scheduler
 from cadence.engine_args import EngineArgs
 from cadence.messages import ModelRunnerOutput, SchedulerOutput
 from cadence.models.kv_groups import kv_cache_groups_of
+from cadence.sim.simulator import EngineLimits, simulate
+from cadence.sim.start_model import start_model
+from cadence.sim.workload import RequestSpec
 
 # 4 ms a step, 1.5 ms a prompt token, 3 ms a decode: nothing like the built-in fit.
 TRUTH = CostModel({"const": 0.004, "prefill_tokens": 0.0015, "decode_seqs": 0.003})
+# The same with 2 ms more a row up to 8 rows (a quantized kernel's row limit).
+LIMITED = CostModel({**TRUTH.coefficients, "kernel_rows": 0.002}, {"kernel_row_limit": 8})
 
 
 class _TimedExecutor:
@@ -50,6 +57,20 @@ def _core(make_tiny_model: Callable[..., Path], **overrides: Any) -> EngineCore:
                                        **overrides).create_config())
 
 
+def _timed_fit(make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+               truth: CostModel) -> tuple[CostModel, _TimedExecutor, EngineConfig]:
+    """The start fit on the tiny model's workers whose steps take ``truth``'s time; their shapes; the config."""
+    core = _core(make_tiny_model, usage_context="serving", num_kv_blocks=64)
+    try:
+        timed = _TimedExecutor(core.executor, truth)
+        monkeypatch.setattr(start_fit, "time", SimpleNamespace(perf_counter=timed.perf_counter))
+        groups = kv_cache_groups_of(core.hf_config, core.config.cache.hybrid_kv_cache)
+        model = start_fit.fit_at_start(timed, core.config, core.hf_config.vocab_size, groups.windows)  # type: ignore[arg-type]
+        return model, timed, core.config
+    finally:
+        core.shutdown()
+
+
 def test_the_fit_recovers_the_workers_step_costs_from_a_prompt_and_two_decode_batches(
         make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
     core = _core(make_tiny_model, usage_context="serving", num_kv_blocks=64)
@@ -72,21 +93,13 @@ def test_the_fit_recovers_the_workers_step_costs_from_a_prompt_and_two_decode_ba
 
 def test_under_a_kernel_row_limit_a_batch_within_it_is_timed_too_and_its_rows_priced_apart(
         make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    truth = CostModel({**TRUTH.coefficients, "kernel_rows": 0.002}, {"kernel_row_limit": 8})
-    core = _core(make_tiny_model, usage_context="serving", num_kv_blocks=64)
-    try:
-        timed = _TimedExecutor(core.executor, truth)
-        monkeypatch.setattr(start_fit, "time", SimpleNamespace(perf_counter=timed.perf_counter))
-        groups = kv_cache_groups_of(core.hf_config, core.config.cache.hybrid_kv_cache)
-        model = start_fit.fit_at_start(timed, core.config, core.hf_config.vocab_size, groups.windows)  # type: ignore[arg-type]
-        # Then 4 requests (half the limit) decoding together.
-        assert [(s.prefill_tokens, s.decode_seqs) for s in timed.shapes] == (
-            [(256, 0)] + [(0, 1)] * 4 + [(32 * 4, 0)] + [(0, 32)] * 4 + [(4 * 4, 0)] + [(0, 4)] * 4)
-        for name in ("const", "prefill_tokens", "decode_seqs", "kernel_rows"):
-            assert model.coefficients[name] == pytest.approx(truth.coefficients[name], rel=1e-6)
-        assert model.row_limit == 8
-    finally:
-        core.shutdown()
+    model, timed, _ = _timed_fit(make_tiny_model, monkeypatch, LIMITED)
+    # Then 4 requests (half the limit) decoding together.
+    assert [(s.prefill_tokens, s.decode_seqs) for s in timed.shapes] == (
+        [(256, 0)] + [(0, 1)] * 4 + [(32 * 4, 0)] + [(0, 32)] * 4 + [(4 * 4, 0)] + [(0, 4)] * 4)
+    for name in ("const", "prefill_tokens", "decode_seqs", "kernel_rows"):
+        assert model.coefficients[name] == pytest.approx(LIMITED.coefficients[name], rel=1e-6)
+    assert model.row_limit == 8
 
 
 def test_a_serving_engine_starts_its_latency_target_from_the_fit_and_an_offline_one_times_nothing(
@@ -103,3 +116,23 @@ def test_a_serving_engine_starts_its_latency_target_from_the_fit_and_an_offline_
         assert offline.scheduler.step_budget is None
     finally:
         offline.shutdown()
+
+
+def test_a_simulated_engine_starts_from_the_model_the_engine_s_start_fit_makes_of_the_same_step_times(
+        make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator prices the start fit's steps with its cost model where the engine times them:
+    with steps that take the cost model's time, both begin their latency target from one model."""
+    engine, _, config = _timed_fit(make_tiny_model, monkeypatch, LIMITED)
+    limits = EngineLimits.from_engine_config(config, num_kv_blocks=64)
+    simulated = start_model(LIMITED, limits.scheduler_config(), 64, limits.block_size, limits.max_model_len)
+    assert simulated.coefficients == pytest.approx(dict(engine.coefficients), rel=1e-9, abs=1e-15)
+    assert simulated.row_limit == engine.row_limit == 8 and simulated.metadata["source"] == start_fit.SOURCE
+    # And each simulated engine's step budget starts from it.
+    first: list[CostModel] = []
+
+    def on_step(scheduler: Scheduler, _: SchedulerOutput) -> None:
+        if not first and scheduler.step_budget is not None:
+            first.append(scheduler.step_budget.model)
+
+    simulate([RequestSpec(0.0, 40, 4)], limits, "fcfs", LIMITED, on_step=on_step)
+    assert first == [simulated]

@@ -11,6 +11,7 @@ import pytest
 
 from cadence.cli import main
 from cadence.core.cost_model import CostModel
+from cadence.core.engine_description import engine_description
 from cadence.engine.llm import LLM
 from cadence.sampling_params import SamplingParams
 from cadence.sim.calibrate import timing
@@ -86,6 +87,8 @@ def test_the_engine_s_trace_rebuilds_the_steps_its_executor_ran(
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     llm.shutdown()
     description, steps = trace_steps(trace)
+    core = llm.engine_core
+    assert description == {**engine_description(llm.config, core.hf_config, core.executor), "simulated": False}
     assert [s.shape for s in steps] == [s.shape for s in timer.steps] and len(steps) > 20
     # Each traced step spans the executor's (scheduled before it starts, ended after it returns), on
     # another clock (the wall's: arrivals are stamped with it): its length is at least the executor's.
