@@ -186,9 +186,12 @@ def refit(model: CostModel, features: np.ndarray, times: np.ndarray) -> CostMode
         # online form prices worst (a long first chunk's attention). The steps kept say nothing of its
         # cost, and a fit gave it none (prompts free: the next chunk took the whole token budget
         # beside a stream). Fitted again on the steps kept, it is held.
-        if inliers.all() or not _lost_support(features[inliers], fitted_names):
+        if inliers.all():
             break
-        features, times = features[inliers], times[inliers]
+        rest = features[inliers]
+        if not _lost_support(rest, fitted_names):
+            break
+        features, times = rest, times[inliers]
     return CostModel({**kept, **fitted}, {**model.metadata, "source": "refitted while running"})
 
 

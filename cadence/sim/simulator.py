@@ -258,8 +258,9 @@ def simulate(
     fleet = router_of(router, engines, limits, seed)
     sim_engines = []
     policy_type = policy_class(policy) if isinstance(policy, str) else None  # found once: a lookup scans every package
+    # The step budgets' first models (none without a latency target: no step budget reads them).
     starts = {id(model): start_model(model, limits.scheduler_config(), limits.num_kv_blocks, limits.block_size,
-                                     limits.max_model_len) for model in models}  # the step budgets' first models
+                                     limits.max_model_len) for model in models} if limits.target_itl_ms else {}
     for rank, model in enumerate(models):
         if isinstance(policy, str):
             assert policy_type is not None
@@ -274,7 +275,7 @@ def simulate(
         if trace is not None:
             trace.engine(_description(model, speculative), simulated=True)
         scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, engine_policy,
-                              cost_model=starts[id(model)], trace=trace,
+                              cost_model=starts.get(id(model), model), trace=trace,
                               speculation=None if speculative is None else SpecDecoding(speculative))
         sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model, drafts, seed + rank), on_step,
                                      fast_forward))

@@ -41,19 +41,19 @@ def trace_steps(path: str | Path, phase: int = 1) -> tuple[dict[str, Any], list[
             try:
                 event = decode(line)
                 kind = event["event"]
-            except (msgspec.DecodeError, KeyError, TypeError):
+                if description is None:
+                    if kind != "engine":
+                        raise ValueError(f"{path} does not open with the engine it ran on (an 'engine' event): "
+                                         "record it again with this version of cadence")
+                    description = {k: v for k, v in event.items() if k not in ("event", "step", "t")}
+                elif kind == "scheduled":
+                    step, tokens, start = event["step"], event["tokens"], event["start"]
+                    starts.setdefault(step, event["t"])
+                    chunks[step].append((tokens, start + tokens, event["samples"], 0))
+                elif kind == "end":
+                    ends[event["step"]] = event["t"]
+            except (msgspec.DecodeError, KeyError, TypeError):  # not JSON, or an event missing its fields
                 raise ValueError(f"{path} is not a scheduling trace (--trace-scheduling): {line[:80]!r}") from None
-            if description is None:
-                if kind != "engine":
-                    raise ValueError(f"{path} does not open with the engine it ran on (an 'engine' event): "
-                                     "record it again with this version of cadence")
-                description = {k: v for k, v in event.items() if k not in ("event", "step", "t")}
-            elif kind == "scheduled":
-                step, tokens, start = event["step"], event["tokens"], event["start"]
-                starts.setdefault(step, event["t"])
-                chunks[step].append((tokens, start + tokens, event["samples"], 0))
-            elif kind == "end":
-                ends[event["step"]] = event["t"]
     if description is None:
         raise ValueError(f"{path} is empty")
     if description.get("speculative"):

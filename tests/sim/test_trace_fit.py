@@ -63,6 +63,10 @@ def test_traces_it_cannot_fit_are_refused_with_why(tmp_path: Path) -> None:
     (tmp_path / "text.jsonl").write_text("not json\n")
     with pytest.raises(ValueError, match="is not a scheduling trace"):
         trace_steps(tmp_path / "text.jsonl")
+    broken = write("broken.jsonl", {"event": "engine", "step": 0, "t": 0.0},
+                   {"event": "scheduled", "step": 1, "t": 0.0})
+    with pytest.raises(ValueError, match="is not a scheduling trace"):
+        trace_steps(broken)  # an event without its fields
     with pytest.raises(ValueError, match="is empty"):
         trace_steps(write("empty.jsonl"))
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
