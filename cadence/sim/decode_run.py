@@ -17,6 +17,7 @@ step, so a router can be told them before an arrival they could matter to. docs/
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,10 +61,12 @@ class DecodeRun:
         return decode_shape(len(self.requests), int(self.kv_tokens[step]), self.row_limit)
 
 
-def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max_steps: int) -> DecodeRun | None:
+def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max_steps: int,
+                    noise: Callable[[int], np.ndarray] | None = None) -> DecodeRun | None:
     """The decode-only steps ``scheduler`` would run from ``now``, at most ``max_steps``; None when its
     next step is not one (something waits or prefills, a hook would need calling, a request could stop
-    on a token) or fewer than two are ahead."""
+    on a token) or fewer than two are ahead. ``noise`` gives the factors of the next steps' times
+    (``sim/step_noise.py``), as many as asked for."""
     allocator = scheduler.allocator
     if (scheduler.waiting or not scheduler.running or not scheduler.policy.decodes_in_bulk
             or scheduler.trace is not None or scheduler.speculation is not None
@@ -92,6 +95,8 @@ def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max
     step = step[:num_steps]
     kv_tokens = int(tokens.sum()) + len(requests) * step
     durations = cost_model.decode_step_times(len(requests), kv_tokens)
+    if noise is not None:
+        durations = durations * noise(num_steps)
     starts = np.add.accumulate(np.concatenate(([now], durations)))  # each end as now + duration, in turn
     evictions: dict[int, int] = {}
     if allocator.enable_kv_events:  # the k-th block taken is the free list's k-th, whatever takes it

@@ -18,6 +18,7 @@ import math
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from cadence.sim.dashboard_report import SimDashboard
 from cadence.sim.decode_run import DecodeRun, commit, plan_decode_run
 from cadence.sim.runner import SIMULATED_TOKEN_ID, SimulatedRunner
 from cadence.sim.step_log import StepLog, StepRecord
+from cadence.sim.step_noise import StepNoise
 from cadence.sim.workload import FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, RequestSpec
 
 StepHook = Callable[[Scheduler, SchedulerOutput], None]
@@ -44,10 +46,11 @@ class SimEngine:
     decode-only steps go in one call (not with a step hook or a dashboard, which see every step)."""
 
     def __init__(self, rank: int, scheduler: Scheduler, runner: SimulatedRunner, on_step: StepHook | None,
-                 fast_forward: bool = False) -> None:
+                 fast_forward: bool = False, noise: StepNoise | None = None) -> None:
         self.rank = rank
         self.scheduler = scheduler
         self.runner = runner
+        self.noise = noise  # each step's time scaled by its own factor (simulate --step-time-noise)
         self.on_step = on_step
         self.fast_forward = fast_forward and on_step is None
         self.steps = StepLog()
@@ -70,7 +73,8 @@ class SimEngine:
         """
         scheduler = self.scheduler
         if self.fast_forward and self.dashboard is None:
-            self._run, self._done = plan_decode_run(scheduler, self.runner.cost_model, now, max_steps), 0
+            noise = None if self.noise is None else partial(self.noise.factors, len(self.steps))
+            self._run, self._done = plan_decode_run(scheduler, self.runner.cost_model, now, max_steps, noise), 0
             if self._run is not None:
                 self.busy_until = float(self._run.starts[-1])
                 return self.busy_until
@@ -82,6 +86,10 @@ class SimEngine:
         if self.dashboard is not None:
             self.dashboard.step_started(scheduler, out, now)
         self._result, shape, duration = self.runner.execute(out)
+        if self.noise is not None:
+            factor = self.noise.factor(len(self.steps))
+            duration *= factor
+            self._result.draft_time_s *= factor  # the drafts' share of the step
         self._duration = duration
         self.steps.append(StepRecord(now, duration, shape.num_seqs, shape.num_tokens, shape.prefill_tokens,
                                      shape.decode_seqs, shape.kv_tokens, len(scheduler.running),

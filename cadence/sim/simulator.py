@@ -37,6 +37,7 @@ from cadence.sim.run_loop import RunLoop, SimEngine, StepHook
 from cadence.sim.runner import ACCEPTANCE_ARG, SimulatedDrafts, SimulatedRunner
 from cadence.sim.start_model import start_model
 from cadence.sim.step_log import StepLog, StepRecord
+from cadence.sim.step_noise import StepNoise
 from cadence.sim.workload import RequestSpec
 
 if TYPE_CHECKING:
@@ -195,6 +196,7 @@ def simulate(
     draft_acceptance: float = 0.7,
     dashboard: SimDashboard | None = None,
     fast_forward: bool = True,
+    step_time_noise: float = 0.0,
 ) -> SimResult:
     """Run ``workload`` through the real scheduler under ``policy`` on a virtual clock.
 
@@ -227,6 +229,10 @@ def simulate(
     step hook, a scheduling trace, a dashboard or speculation. A router that follows the prefix
     caches is told the KV events of a run's steps before an arrival they could matter to. Off,
     every step is taken one by one.
+
+    ``step_time_noise`` scales each step's modelled time by a factor of its own, lognormal with mean 1
+    and this spread of its logarithm, seeded by ``seed`` and the engine (``sim/step_noise.py``): a
+    real machine's steps vary, and the step budget refits to what they took. 0 keeps the exact times.
 
     :raises ValueError: for a request the engine would reject, an unknown policy or router, a
         policy object with several engines, or speculation with a cost model that prices no drafts.
@@ -277,8 +283,9 @@ def simulate(
         scheduler = Scheduler(limits.scheduler_config(name, policy_options), allocator, engine_policy,
                               cost_model=starts.get(id(model), model), trace=trace,
                               speculation=None if speculative is None else SpecDecoding(speculative))
+        noise = StepNoise(step_time_noise, seed, rank) if step_time_noise else None
         sim_engines.append(SimEngine(rank, scheduler, SimulatedRunner(model, drafts, seed + rank), on_step,
-                                     fast_forward))
+                                     fast_forward, noise))
     run = RunLoop(workload, limits.max_model_len, sim_engines, fleet, clock, seed, max_steps, dashboard)
     started = time.perf_counter()
     try:

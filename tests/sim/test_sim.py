@@ -233,6 +233,23 @@ def test_simulate_verb_prints_a_table_and_writes_json_and_plots(
         {k: v for k, v in r.items() if k != "wall_time_s"} for r in again["results"]]
 
 
+def test_simulate_step_time_noise_is_seeded_and_recorded(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    folder = str(make_tiny_model("llama"))
+    medians = []
+    for noise, seed in (("0", "1"), ("0.3", "1"), ("0.3", "1"), ("0.3", "2")):
+        out = tmp_path / f"{noise}-{seed}-{len(medians)}"
+        ns = _cli().parse_args(["simulate", "--model", folder, "--cost-model", "builtin", "--num-kv-blocks", "64",
+                                "--num-requests", "30", "--request-rate", "20", "--input-len", "uniform:8:64",
+                                "--output-len", "16", "--step-time-noise", noise, "--seed", seed, "--output-dir",
+                                str(out), "--no-plots"])
+        assert ns.run(ns) == 0
+        data = json.loads((out / "results.json").read_text())
+        assert data["step_time_noise"] == float(noise) and data["seed"] == int(seed)
+        medians.append(data["results"][0]["median_e2el_ms"])
+    exact, noisy, again, other = medians
+    assert noisy == again and len({exact, noisy, other}) == 3
+
+
 def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(
         make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     folder = str(make_tiny_model("llama"))
