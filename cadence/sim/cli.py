@@ -97,9 +97,13 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
                    help="also write the run as the live dashboard's page (HTML, a slider over the virtual time; "
                         "with several policies one file each, named as --trace-scheduling's)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    g.add_argument("--step-time-noise", type=float, default=0.0, metavar="SIGMA",
+    g.add_argument("--step-time-noise", default="0", metavar="SIGMA|fit",
                    help="scale each step's modelled time by its own lognormal factor of mean 1 and this spread "
-                        "of its logarithm (about the calibration's median relative error / 0.67; 0: exact times)")
+                        "of its logarithm; 'fit': the cost model's median relative error / 0.67 (0: exact times)")
+    g.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="with --step-time-noise: run each policy N times, the noise seeded --seed, --seed + 1, ... "
+                        "(the workload the same); the table gives each figure's median and range, the plots "
+                        "the first run")
     g.add_argument("--no-fast-forward", action="store_true",
                    help="take every step one by one, not runs of decode-only steps at once (the same figures, "
                         "slower; docs/research.md)")
@@ -140,6 +144,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
     config = args.create_config()
     limits = EngineLimits.from_engine_config(config)
     cost_model = _cost_model(ns, args, config)
+    noise = _noise(ns, cost_model, config.scheduler.trace_scheduling)
     if ns.trace:
         workload = load_workload(ns.trace, TraceOptions.from_args(ns))
     else:
@@ -149,29 +154,33 @@ def run_simulate(ns: argparse.Namespace) -> int:
     if ns.save_trace:
         save_trace(workload, ns.save_trace)
     print(f"workload: {describe(workload)}", file=sys.stderr)
-    results = []
+    results, rows = [], []
     specs = _policy_specs(ns)
     pages = []
     for label, name, options in specs:
         dashboard = None if ns.dashboard is None else SimDashboard(ns.engines)
-        result = simulate(workload, limits, name, cost_model, ns.seed, policy_options=options, label=label,
-                          trace_scheduling=_per_policy_path(config.scheduler.trace_scheduling, label, len(specs)),
-                          engines=ns.engines, router=config.parallel.router, speculative=config.speculative,
-                          draft_acceptance=ns.draft_acceptance, dashboard=dashboard,
-                          fast_forward=not ns.no_fast_forward, step_time_noise=ns.step_time_noise)
-        print(f"{label}: {result.num_steps} steps, {result.end_time:.1f} s simulated in "
-              f"{result.wall_time_s:.2f} s", file=sys.stderr)
-        results.append(result)
+        runs = []
+        for seed in range(ns.seed, ns.seed + ns.repeat):
+            result = simulate(workload, limits, name, cost_model, seed, policy_options=options, label=label,
+                              trace_scheduling=_per_policy_path(config.scheduler.trace_scheduling, label, len(specs)),
+                              engines=ns.engines, router=config.parallel.router, speculative=config.speculative,
+                              draft_acceptance=ns.draft_acceptance, dashboard=dashboard,
+                              fast_forward=not ns.no_fast_forward, step_time_noise=noise)
+            print(f"{label}{f' (seed {seed})' if ns.repeat > 1 else ''}: {result.num_steps} steps, "
+                  f"{result.end_time:.1f} s simulated in {result.wall_time_s:.2f} s", file=sys.stderr)
+            runs.append(result)
+        results.append(runs[0])
+        summaries = report.summaries(runs, slos, percentiles)
+        rows.append(summaries[0] if ns.repeat == 1 else report.repeated(summaries))
         if dashboard is not None:
             meta = {"model": f"{default_model_name(ns.model)} (simulated)", "policy": label, "engines": ns.engines}
             pages.append(dashboard.write(_policy_file(ns.dashboard, label, len(specs)), meta))
-    rows = report.summaries(results, slos, percentiles)
     print(report.format_table(rows, percentiles))
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(rows, out / "results.json", extra={
         "workload": describe(workload), "limits": vars(limits), "cost_model": cost_model.to_json(),
-        "seed": ns.seed, "step_time_noise": ns.step_time_noise})
+        "seed": ns.seed, "step_time_noise": noise, "repeat": ns.repeat})
     written = [out / "results.json", *pages]
     if not ns.no_plots:
         written += report.plot(results, out)
@@ -254,6 +263,26 @@ def _policy_file(path: str, label: str, num_policies: int) -> str:
         return path
     file = Path(path)
     return str(file.with_name(f"{file.stem}.{re.sub(r'[^A-Za-z0-9._=-]+', '_', label)}{file.suffix}"))
+
+
+def _noise(ns: argparse.Namespace, cost_model: CostModel, trace_scheduling: str | None) -> float:
+    """``--step-time-noise``'s sigma, checked with ``--repeat``."""
+    from cadence.sim.step_noise import fitted_sigma
+
+    if ns.step_time_noise == "fit":
+        sigma = fitted_sigma(cost_model)
+    else:
+        try:
+            sigma = float(ns.step_time_noise)
+        except ValueError:
+            raise ValueError(f"--step-time-noise takes a SIGMA or 'fit', got {ns.step_time_noise!r}") from None
+    if ns.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {ns.repeat}")
+    if ns.repeat > 1 and not sigma:
+        raise ValueError("--repeat runs differ only in their step-time noise: give --step-time-noise too")
+    if ns.repeat > 1 and (ns.dashboard or trace_scheduling):
+        raise ValueError("--repeat writes one run's figures per policy: drop --dashboard and --trace-scheduling")
+    return sigma
 
 
 def _percentiles(text: str) -> tuple[float, ...]:

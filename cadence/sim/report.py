@@ -35,19 +35,33 @@ def summaries(results: Sequence[SimResult], goodput_slos_ms: Mapping[str, float]
     return [r.summary(goodput_slos_ms, percentiles) for r in results]
 
 
+def repeated(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One policy's summary over runs that differ only in their noise's seed (``simulate --repeat``):
+    each figure's median, its range (``spread``: the lowest and the highest) and every run's summary
+    (``runs``); what is not a figure (the label, tenants' shares) is the first run's."""
+    figures = [key for key, value in runs[0].items() if isinstance(value, int | float) and not isinstance(value, bool)
+               and all(isinstance(run.get(key), int | float) for run in runs)]
+    row = dict(runs[0])
+    row.update({key: float(np.median([run[key] for run in runs])) for key in figures})
+    row["spread"] = {key: [min(run[key] for run in runs), max(run[key] for run in runs)] for key in figures}
+    row["runs"] = list(runs)
+    return row
+
+
 def format_table(rows: Sequence[Mapping[str, Any]], percentiles: Sequence[float] = (50.0, 99.0)) -> str:
     """One column per policy: throughputs, goodput, preemptions, latency mean and percentiles (ms),
-    then each tenant's share of output tokens."""
+    then each tenant's share of output tokens; a figure over repeated runs is their median, and their
+    range in brackets."""
     lines: list[tuple[str, list[str]]] = []
     for title, key, fmt in _ROWS:
         if key == "request_goodput" and all(r.get(key) is None for r in rows):
             continue
-        lines.append((title, [fmt.format(r[key]) if r.get(key) is not None else "-" for r in rows]))
+        lines.append((title, [_cell(r, key, fmt) for r in rows]))
     for title, name in _LATENCIES:
-        lines.append((f"mean {title} (ms)", [f"{r[f'mean_{name}_ms']:.1f}" for r in rows]))
+        lines.append((f"mean {title} (ms)", [_cell(r, f"mean_{name}_ms", "{:.1f}") for r in rows]))
         for p in percentiles:
             label = str(int(p)) if float(p).is_integer() else str(p)
-            lines.append((f"p{label} {title} (ms)", [f"{r[f'p{label}_{name}_ms']:.1f}" for r in rows]))
+            lines.append((f"p{label} {title} (ms)", [_cell(r, f"p{label}_{name}_ms", "{:.1f}") for r in rows]))
     users = sorted({t["user"] for r in rows for t in r.get("tenants", [])})
     if len(users) > 1:
         for user in users:
@@ -63,6 +77,15 @@ def format_table(rows: Sequence[Mapping[str, Any]], percentiles: Sequence[float]
     out += ["  ".join([title.ljust(first), *(c.rjust(w) for c, w in zip(cells, widths, strict=True))])
             for title, cells in lines]
     return "\n".join(out)
+
+
+def _cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
+    if row.get(key) is None:
+        return "-"
+    spread = row.get("spread", {}).get(key)
+    if spread is None:
+        return fmt.format(row[key])
+    return f"{fmt.format(row[key])} [{fmt.format(spread[0])}, {fmt.format(spread[1])}]"
 
 
 def write_json(rows: Sequence[Mapping[str, Any]], path: str | Path, extra: Mapping[str, Any] | None = None) -> None:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from cadence.core.cost_model import CostModel
+
 _BLOCK = 4096  # factors drawn at a time
+_HALF_NORMAL_MEDIAN = 0.6745  # the median of |N(0, 1)|
 
 
 class StepNoise:
@@ -44,3 +47,17 @@ class StepNoise:
     def factor(self, step: int) -> float:
         """Step ``step``'s factor."""
         return float(self.factors(step, 1)[0])
+
+
+def fitted_sigma(model: CostModel) -> float:
+    """The noise a calibration saw: its fit's median relative error over the median of a half-normal
+    (a small factor's relative change is about its logarithm). The fit's misses include the shapes it
+    prices wrong as well as the machine's noise, so this is an upper bound.
+
+    :raises ValueError: if the model records no fit error (a hand-written one).
+    """
+    error = (model.metadata.get("fit") or {}).get("median_rel_error")
+    if not error:
+        raise ValueError("this cost model records no fit error (its metadata's fit.median_rel_error): give "
+                         "--step-time-noise a SIGMA")
+    return float(error) / _HALF_NORMAL_MEDIAN

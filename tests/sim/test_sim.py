@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from cadence.sim import (
 )
 from cadence.sim.cli import register
 from cadence.sim.cost_store import FitKey
-from cadence.sim.report import plot
+from cadence.sim.report import format_table, plot, repeated
 
 SMALL = EngineLimits(num_kv_blocks=64, block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
 
@@ -190,6 +191,20 @@ def test_plots_are_written(tmp_path: Path) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
+def test_repeated_runs_give_each_figure_its_median_and_range() -> None:
+    runs = [{"policy": "fcfs", "completed": 10, "median_ttft_ms": t, "request_goodput": None, "tenants": [i]}
+            for i, t in enumerate((30.0, 10.0, 20.0, 50.0))]
+    row = repeated(runs)
+    assert row["median_ttft_ms"] == 25.0 and row["spread"]["median_ttft_ms"] == [10.0, 50.0]
+    assert row["completed"] == 10 and row["spread"]["completed"] == [10, 10]
+    assert row["request_goodput"] is None and "request_goodput" not in row["spread"]
+    assert row["policy"] == "fcfs" and row["tenants"] == [0] and row["runs"] == runs
+    one = {"policy": "fcfs", "completed": 10, "duration": 2.0, "request_throughput": 5.0, "output_throughput": 50.0,
+           "total_token_throughput": 90.0, "num_preemptions": 0, "mean_ttft_ms": 1.0, "p50_ttft_ms": 1.0}
+    table = format_table([one | {"spread": {"p50_ttft_ms": [0.5, 2.25]}}], percentiles=(50,))
+    assert "1.0 [0.5, 2.2]" in table  # the median, then the lowest and the highest
+
+
 def _cli() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadence")
     register(parser.add_subparsers(dest="verb", required=True))
@@ -248,6 +263,35 @@ def test_simulate_step_time_noise_is_seeded_and_recorded(make_tiny_model: Callab
         medians.append(data["results"][0]["median_e2el_ms"])
     exact, noisy, again, other = medians
     assert noisy == again and len({exact, noisy, other}) == 3
+
+
+def test_simulate_repeats_a_policy_over_noise_seeds_and_reports_the_median_and_range(
+        make_tiny_model: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(make_tiny_model("llama"))
+    common = ["simulate", "--model", folder, "--cost-model", "builtin", "--num-kv-blocks", "64", "--num-requests",
+              "30", "--request-rate", "20", "--input-len", "uniform:8:64", "--output-len", "16", "--no-plots"]
+    ns = _cli().parse_args([*common, "--step-time-noise", "fit", "--repeat", "3", "--seed", "4",
+                            "--output-dir", str(tmp_path / "band"), "--save-trace", str(tmp_path / "w.jsonl")])
+    assert ns.run(ns) == 0
+    assert re.search(r"p50 TTFT \(ms\) +[\d.]+ \[[\d.]+, [\d.]+\]", capsys.readouterr().out)  # median [range]
+    data = json.loads((tmp_path / "band" / "results.json").read_text())
+    assert data["step_time_noise"] == pytest.approx(0.070 / 0.6745) and data["repeat"] == 3  # the built-in fit's
+    row = data["results"][0]
+    ttfts = [run["median_ttft_ms"] for run in row["runs"]]
+    assert len(set(ttfts)) == 3
+    assert row["median_ttft_ms"] == sorted(ttfts)[1] and row["spread"]["median_ttft_ms"] == [min(ttfts), max(ttfts)]
+    # Each run is the single run of its seed on the same workload.
+    ns = _cli().parse_args([*common, "--step-time-noise", str(data["step_time_noise"]), "--seed", "5",
+                            "--trace", str(tmp_path / "w.jsonl"), "--output-dir", str(tmp_path / "one")])
+    assert ns.run(ns) == 0
+    assert json.loads((tmp_path / "one" / "results.json").read_text())["results"][0]["median_ttft_ms"] == ttfts[1]
+    refused = [(["--repeat", "2"], "give --step-time-noise too"), (["--repeat", "0"], "at least 1"),
+               (["--step-time-noise", "lots"], "a SIGMA or 'fit'"),
+               (["--repeat", "2", "--step-time-noise", "0.1", "--dashboard", "d.html"], "drop --dashboard")]
+    for extra, message in refused:
+        ns = _cli().parse_args([*common, *extra])
+        with pytest.raises(ValueError, match=message):
+            ns.run(ns)
 
 
 def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(

@@ -7,7 +7,7 @@ import pytest
 
 from cadence.core.cost_model import CostModel
 from cadence.sim.simulator import EngineLimits, simulate
-from cadence.sim.step_noise import StepNoise
+from cadence.sim.step_noise import StepNoise, fitted_sigma
 from cadence.sim.workload import synthetic_workload
 
 COSTS = CostModel({"const": 0.004, "decode_seqs": 0.0007, "kv_tokens": 3.1e-7, "prefill_tokens": 1.3e-4})
@@ -50,3 +50,9 @@ def test_each_step_takes_its_price_times_its_engines_factor_and_fast_forward_kee
                  + 1.3e-4 * log.column("prefill_tokens"))
         factors = StepNoise(0.3, seed=5, engine=rank).factors(0, len(log))
         np.testing.assert_allclose(log.column("duration"), price * factors, rtol=1e-12)
+
+
+def test_the_fits_noise_is_its_median_error_over_a_half_normals_median() -> None:
+    assert fitted_sigma(CostModel.default()) == pytest.approx(0.070 / 0.6745)
+    with pytest.raises(ValueError, match="records no fit error"):
+        fitted_sigma(COSTS)
