@@ -9,7 +9,10 @@ the real run's own step timings ("self-fit"), separates the simulator's mechanic
 arrivals, the virtual clock) from calibration error and machine drift; a third ("rescaled") runs the
 calibrated model with every coefficient scaled by one factor, the real steps' time over its
 prediction: it separates the model's shape (what it still misses) from the machine's speed having
-moved since calibration (what it closes). Other work on the machine
+moved since calibration (what it closes). With ``--step-time-noise SIGMA|fit --repeat N`` the
+calibrated simulation runs N times with noisy step times (``cadence/sim/step_noise.py``), its column
+is their median, and the script says whether each checked real figure falls within their range.
+Other work on the machine
 slows the real engine and not the simulator: run it on a quiet machine (the load average is
 printed along the way). This is a benchmark, never a test.
 
@@ -28,7 +31,9 @@ from cadence.core.cost_model import CostModel, fit_cost_model, fit_quality
 from cadence.engine.llm import LLM
 from cadence.sim.calibrate import TimedStep, cycle_samples, default_plan, fit_timed_steps, time_steps, timing
 from cadence.sim.replay import replay
+from cadence.sim.report import repeated
 from cadence.sim.simulator import EngineLimits, simulate
+from cadence.sim.step_noise import fitted_sigma
 from cadence.sim.workload import describe, synthetic_workload
 
 _ROWS = [
@@ -65,6 +70,9 @@ def main() -> int:
     parser.add_argument("--input-len", default="uniform:32:384")
     parser.add_argument("--output-len", default="uniform:16:128")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-time-noise", default="0", metavar="SIGMA|fit",
+                        help="the calibrated simulation's step-time noise ('fit': from the calibration's fit error)")
+    parser.add_argument("--repeat", type=int, default=1, help="calibrated simulations, the noise seeded in turn")
     parser.add_argument("--cost-model", default=None, help="use this cost model instead of calibrating first")
     parser.add_argument("--save-cost-model", default=None, help="write the cost model calibrated here")
     parser.add_argument("--json", default=None, help="write the figures to this file")
@@ -128,12 +136,18 @@ def main() -> int:
     # its misses is the model's shape; what this closes is the machine's speed moving since calibration.
     rescaled = CostModel({k: v / drift.total_time_ratio for k, v in cost_model.coefficients.items()},
                          cost_model.metadata)
+    sigma = fitted_sigma(cost_model) if args.step_time_noise == "fit" else float(args.step_time_noise)
     sims = {}
     for name, model in (("simulated", cost_model), ("self-fit", self_fit), ("rescaled", rescaled)):
-        result = simulate(workload, limits, policy, model, args.seed, policy_options=options)
-        sims[name] = result.metrics(percentiles=(50, 99)).to_dict()
-        log(f"simulation ({name}): {result.num_steps} steps in {result.wall_time_s:.2f} s, "
-             f"{result.num_preemptions} preemptions")
+        noisy = name == "simulated" and sigma > 0
+        runs = []
+        for seed in range(args.seed, args.seed + (args.repeat if noisy else 1)):
+            result = simulate(workload, limits, policy, model, seed, policy_options=options,
+                              step_time_noise=sigma if noisy else 0.0)
+            runs.append(result.metrics(percentiles=(50, 99)).to_dict())
+            log(f"simulation ({name}{f', noise {sigma:.3f}, seed {seed}' if noisy else ''}): {result.num_steps} "
+                f"steps in {result.wall_time_s:.2f} s, {result.num_preemptions} preemptions")
+        sims[name] = runs[0] if len(runs) == 1 else repeated(runs)
 
     print(f"{'':28}{'real':>11}" + "".join(f"{name:>11}{'diff':>8}" for name in sims))
     diffs: dict[str, dict[str, float]] = {name: {} for name in sims}
@@ -145,6 +159,11 @@ def main() -> int:
         print(f"{title:28}{real[key]:11.2f}{''.join(cells)}")
     ok = all(abs(diffs["simulated"][key]) <= TOLERANCE for key in CHECKED)
     print(f"calibrated simulator: throughput, TTFT p50 and p99 within {100 * TOLERANCE:.0f}%: {'yes' if ok else 'NO'}")
+    spread = sims["simulated"].get("spread")
+    if spread is not None:  # the real figure against the noisy runs' range
+        print(f"over {args.repeat} noisy runs (sigma {sigma:.3f}), the real figure within their range: " + ", ".join(
+            f"{key} {'yes' if spread[key][0] <= real[key] <= spread[key][1] else 'NO'} "
+            f"[{spread[key][0]:.2f}, {spread[key][1]:.2f}]" for key in CHECKED))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "workload": describe(workload), "real": real, **sims,
