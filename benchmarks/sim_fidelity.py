@@ -33,7 +33,7 @@ from cadence.sim.calibrate import TimedStep, cycle_samples, default_plan, fit_ti
 from cadence.sim.replay import replay
 from cadence.sim.report import repeated
 from cadence.sim.simulator import EngineLimits, simulate
-from cadence.sim.step_noise import fitted_sigma
+from cadence.sim.step_noise import noise_sigma
 from cadence.sim.workload import describe, synthetic_workload
 
 _ROWS = [
@@ -136,7 +136,7 @@ def main() -> int:
     # its misses is the model's shape; what this closes is the machine's speed moving since calibration.
     rescaled = CostModel({k: v / drift.total_time_ratio for k, v in cost_model.coefficients.items()},
                          cost_model.metadata)
-    sigma = fitted_sigma(cost_model) if args.step_time_noise == "fit" else float(args.step_time_noise)
+    sigma = noise_sigma(args.step_time_noise, cost_model)
     sims = {}
     for name, model in (("simulated", cost_model), ("self-fit", self_fit), ("rescaled", rescaled)):
         noisy = name == "simulated" and sigma > 0

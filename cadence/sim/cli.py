@@ -267,15 +267,9 @@ def _policy_file(path: str, label: str, num_policies: int) -> str:
 
 def _noise(ns: argparse.Namespace, cost_model: CostModel, trace_scheduling: str | None) -> float:
     """``--step-time-noise``'s sigma, checked with ``--repeat``."""
-    from cadence.sim.step_noise import fitted_sigma
+    from cadence.sim.step_noise import noise_sigma
 
-    if ns.step_time_noise == "fit":
-        sigma = fitted_sigma(cost_model)
-    else:
-        try:
-            sigma = float(ns.step_time_noise)
-        except ValueError:
-            raise ValueError(f"--step-time-noise takes a SIGMA or 'fit', got {ns.step_time_noise!r}") from None
+    sigma = noise_sigma(ns.step_time_noise, cost_model)
     if ns.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {ns.repeat}")
     if ns.repeat > 1 and not sigma:

@@ -61,3 +61,16 @@ def fitted_sigma(model: CostModel) -> float:
         raise ValueError("this cost model records no fit error (its metadata's fit.median_rel_error): give "
                          "--step-time-noise a SIGMA")
     return float(error) / _HALF_NORMAL_MEDIAN
+
+
+def noise_sigma(text: str, model: CostModel) -> float:
+    """``--step-time-noise``'s value: a SIGMA, or ``fit`` for :func:`fitted_sigma` of ``model``.
+
+    :raises ValueError: for anything else, or ``fit`` with a model that records no fit error.
+    """
+    if text == "fit":
+        return fitted_sigma(model)
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--step-time-noise takes a SIGMA or 'fit', got {text!r}") from None
