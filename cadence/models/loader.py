@@ -6,14 +6,17 @@ file is converted once, through transformers, into such a folder under the cache
 ``--quantization gguf`` (the default for a GGUF file on the CPU) the file's quantized tensors are
 then read from the file itself instead of the folder (:mod:`cadence.models.gguf_weights`).
 
-A first start converts the GGUF (about 20 s here, transformers drawing its own bars for the
-tensors) and says so on the ``cadence.startup`` logger (:mod:`cadence.startup_log`). Before that,
-the file's architecture is read from its metadata header and refused, in milliseconds, if cadence
-cannot run what transformers would make of it (:func:`gguf_architecture`).
+A first start converts the GGUF (the default model in about 35 s on a 2-core AVX2 machine,
+transformers drawing its own bars for the tensors) and says so on the ``cadence.startup`` logger
+(:mod:`cadence.startup_log`). Before that, the file's architecture is read from its metadata
+header and refused, in milliseconds, if cadence cannot run what transformers would make of it
+(:func:`gguf_architecture`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -220,24 +223,55 @@ def gguf_architecture(gguf: Path) -> tuple[str, str]:
 def convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantize ``gguf`` through transformers and save it to ``dest`` as an fp32 HF folder.
 
-    Each stage is a ``cadence.startup`` line with the time so far. Most of the weights stage (12 s
-    of 14 here) goes to parsing the GGUF metadata, twice, and mapping tensor names, which report
-    nothing; transformers' own bars then count the tensors dequantized, loaded and written (2 s).
-    The tokenizer parses the metadata once more (4 s).
+    Each stage is a ``cadence.startup`` line with the time so far; transformers' own bars count the
+    tensors dequantized, loaded and written. The metadata is parsed once and each tensor-name map
+    built once (:func:`_gguf_parsed_once`).
     """
     # Imported here: these pull in accelerate/gguf machinery only a conversion needs.
     from transformers import AutoModelForCausalLM
 
     start = time.monotonic()
     startup.info("GGUF: reading the metadata and dequantizing the weights to fp32 ...")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        # Otherwise the saved config claims GGUF quantization for plain fp32 tensors.
-        quantizer.remove_quantization_config(model)
-    model.save_pretrained(dest)
-    startup.info("GGUF: weights done at %.1f s; converting the tokenizer ...", time.monotonic() - start)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            # Otherwise the saved config claims GGUF quantization for plain fp32 tensors.
+            quantizer.remove_quantization_config(model)
+        model.save_pretrained(dest)
+        startup.info("GGUF: weights done at %.1f s; converting the tokenizer ...", time.monotonic() - start)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF reading, with each file parsed once and each tensor-name map built once.
+
+    ``from_pretrained(gguf_file=...)`` reads the file three times (config, weights, tokenizer), each
+    through a new ``gguf.GGUFReader``, which parses every metadata field (the whole vocabulary) in
+    Python; and it maps tensor names by building gguf's name table again for every submodule of the
+    model (397 times for SmolLM2). Both depend only on their arguments; the repeats took 45 of the
+    default model's 75 s of conversion on a 2-core AVX2 machine (docs/performance.md, "The first
+    start: converting the GGUF"). transformers imports both names from ``gguf`` when it calls them,
+    so they are swapped on that module while a conversion runs.
+    """
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def read_once(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader = read_once  # type: ignore[misc, assignment]
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map  # type: ignore[misc]
 
 
 def load_hf_config(folder: str) -> PretrainedConfig:

@@ -290,6 +290,38 @@ def test_gguf_is_converted_once_then_served_from_the_cache(smollm2_folder: Path,
     assert resolve_model(None) == str(smollm2_folder)
 
 
+def test_a_conversion_parses_the_file_once_and_builds_each_name_map_once(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers reads a GGUF three times (config, weights, tokenizer) and builds gguf's tensor-name
+    map for every submodule; the conversion parses the file once and builds each map once, and
+    leaves the ``gguf`` module as it found it."""
+    import gguf
+    from support.ggml_blocks import Q, write_tiny_gguf
+
+    opened: list[str] = []
+    maps: list[tuple[object, ...]] = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path: str, mode: str = "r") -> None:
+            opened.append(str(path))
+            super().__init__(path, mode)  # type: ignore[arg-type]
+
+    name_map = gguf.get_tensor_name_map
+
+    def counting_name_map(*args: object) -> object:
+        maps.append(args)
+        return name_map(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_name_map)
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", [Q.Q8_0])
+    loader.convert_gguf(source, tmp_path / "folder")
+    assert opened == [str(source)]
+    assert len(maps) == len(set(maps)) == 1
+    assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is counting_name_map
+    assert load_hf_config(str(tmp_path / "folder")).num_hidden_layers == 2
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers(smollm2_folder: Path) -> None:
     """The real model (tied embeddings, 9 heads over 3 KV heads) picks HF's tokens, logits close."""
