@@ -250,10 +250,10 @@ def _gguf_parsed_once() -> Iterator[None]:
     ``from_pretrained(gguf_file=...)`` reads the file three times (config, weights, tokenizer), each
     through a new ``gguf.GGUFReader``, which parses every metadata field (the whole vocabulary) in
     Python; and it maps tensor names by building gguf's name table again for every submodule of the
-    model (397 times for SmolLM2). Both depend only on their arguments; the repeats took 45 of the
-    default model's 75 s of conversion on a 2-core AVX2 machine (docs/performance.md, "The first
-    start: converting the GGUF"). transformers imports both names from ``gguf`` when it calls them,
-    so they are swapped on that module while a conversion runs.
+    model (397 times for SmolLM2). Both depend only on their arguments; without the repeats the
+    default model converts in 35 s instead of 71 on a 2-core AVX2 machine (docs/performance.md, "The
+    first start: converting the GGUF"). transformers imports both names from ``gguf`` when it calls
+    them, so they are swapped on that module while a conversion runs.
     """
     import gguf
 
