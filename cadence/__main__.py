@@ -1,6 +1,6 @@
 from cadence.cli import main
 
-# Guarded: the engine-core process is started with multiprocessing's "spawn", which imports the
-# parent's main module again.
+# Guarded: multiprocessing imports the parent's main module again in its children (the engine core,
+# forked from the fork server; tensor-parallel workers, spawned).
 if __name__ == "__main__":
     raise SystemExit(main())

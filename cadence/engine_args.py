@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any, Literal
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING, Any, Literal
 
 from cadence.config import (
     QUANTIZATIONS,
@@ -28,8 +26,9 @@ from cadence.config import (
     resolve_dtype,
     resolve_quantization,
 )
-from cadence.models.loader import gguf_file_of, load_hf_config, max_model_len_of, resolve_model
-from cadence.models.registry import architectures_of, check_supported
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # A step's token budget when none is set (with chunked prefill), by what the engine is for, as vLLM
 # picks its defaults by usage context. Offline, throughput peaks at 2048 here (8192: -13%). A server
@@ -122,6 +121,11 @@ class EngineArgs:
     def create_config(self) -> EngineConfig:
         """Resolve the model (converting a GGUF once), refuse an architecture no installed package runs
         (``docs/models.md``), then build and validate the config tree."""
+        # Imported here, as in with_draft_model: the model loader pulls in transformers, which building
+        # the CLI's parser (every verb's start, and each child that imports ``__main__`` again) must not.
+        from cadence.models.loader import gguf_file_of, load_hf_config, max_model_len_of, resolve_model
+        from cadence.models.registry import architectures_of, check_supported
+
         speculative = SpeculativeConfig.parse(self.speculative_config)  # before a slow model conversion
         lora = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None)
         path = resolve_model(self.model)  # a GGUF's architecture is checked before it is converted
@@ -181,6 +185,9 @@ def with_draft_model(speculative: SpeculativeConfig | None, target: ModelConfig,
     """
     if speculative is None or speculative.model is None:
         return speculative
+    from cadence.models.loader import gguf_file_of, load_hf_config, max_model_len_of, resolve_model
+    from cadence.models.registry import architectures_of, check_supported
+
     path = resolve_model(speculative.model)
     gguf_file = gguf_file_of(speculative.model)
     hf_config = load_hf_config(path)

@@ -1,10 +1,11 @@
 """``python -m cadence`` (``cadence/__main__.py``): the module runs the CLI only as ``__main__`` (the
-engine-core process is spawned, and spawn imports the parent's main module again), and ``--help``
-lists the verbs."""
+engine core's and the workers' processes import the parent's main module again), ``--help`` lists
+the verbs, and the CLI imports none of the engine stack."""
 
 from __future__ import annotations
 
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -40,3 +41,12 @@ def test_a_missing_verb_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys
         runpy.run_module("cadence", run_name="__main__")
     assert exit_info.value.code == 2
     assert "the following arguments are required: verb" in capsys.readouterr().err
+
+
+def test_the_cli_imports_no_engine_stack() -> None:
+    """Building the parser imports no model, executor or simulator code, nor transformers: the
+    engine core's children import ``__main__`` again, and every verb's start would pay for them."""
+    heavy = ["transformers", "cadence.executor", "cadence.models.loader", "cadence.sim.simulator", "scipy.optimize"]
+    script = f"import sys, cadence.cli; cadence.cli.build_parser(); print([m for m in {heavy!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip() == "[]"

@@ -14,12 +14,15 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from cadence.engine.admission import ModelLimits, check_lora
 from cadence.errors import InvalidRequestError
 from cadence.lora_request import LoRARequest
+
+if TYPE_CHECKING:
+    from cadence.engine.admission import ModelLimits
 
 # vLLM's switch for the load and unload endpoints, honoured as vLLM reads it.
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -100,6 +103,9 @@ class LoRAAdapters:
         if base_model_name is not None and base_model_name not in self._base_names:
             raise InvalidRequestError(f"base_model_name {base_model_name!r} is not a served model name (served: "
                                       f"{', '.join(self._base_names)})", "base_model_name")
+        # Imported here: admission pulls in transformers, which parsing --lora-modules must not.
+        from cadence.engine.admission import check_lora
+
         # The id is drawn only once the adapter passed: ids stay 1, 2, ... in the order served.
         try:
             check_lora(self._limits, LoRARequest(name, 1, path))

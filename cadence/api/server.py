@@ -34,6 +34,7 @@ from cadence.api.limits import (
 )
 from cadence.api.lora_adapters import RUNTIME_UPDATING_ENV, LoRAModule, parse_lora_module
 from cadence.engine_args import add_engine_args, engine_args_from
+from cadence.runtime.fork_server import start_fork_server
 
 if TYPE_CHECKING:
     from cadence.api.serving import ServerSettings
@@ -177,6 +178,8 @@ def run_server(ns: argparse.Namespace) -> int:
     if not ns.engine_stall_timeout >= 0 or ns.engine_stall_timeout == math.inf:  # nan, negative or inf
         raise ValueError(f"--engine-stall-timeout must be >= 0 (0: never), got {ns.engine_stall_timeout}")
     allow_lora_updating = runtime_lora_updating(ns)
+    # Before the model is resolved: the engine core's imports run beside this process's own.
+    start_fork_server()
     config = replace(engine_args_from(ns), usage_context="serving").create_config()
     settings = ServerSettings(
         served_model_names=tuple(ns.served_model_name or [default_model_name(ns.model)]),
@@ -213,9 +216,10 @@ class _Lifecycle:
 
     def install_signal_handlers(self) -> None:
         # Ctrl-C reaches the whole process group, the engine core too; it must not die of it, since
-        # in-flight requests still need it. A signal ignored at spawn stays ignored in the child, and
-        # ``AsyncEngine.launch`` spawns the engine core before its first await, which is when the
-        # callback below puts this process's handlers in.
+        # in-flight requests still need it. The fork server its process comes from ignores SIGINT
+        # (runtime/fork_server.py), and the engine core ignores it from its first line on. This
+        # process ignores it until the engine core is started: ``AsyncEngine.launch`` starts it before
+        # its first await, which is when the callback below puts this process's handlers in.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
         def install() -> None:

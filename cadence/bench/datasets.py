@@ -8,13 +8,16 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from cadence.sampling_params import ExtraArg
 from cadence.sim.trace_formats import TraceOptions, load_workload
 from cadence.sim.workload import FIRST_ORDINARY_ID, LengthDist
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
 FEATURES = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn", "prefills", "sampled",
             "draft_tokens", "kernel_rows", "draft_rounds", "draft_rows")
@@ -351,6 +350,10 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     # Columns are scaled to unit norm first: raw features span ~10 orders of magnitude.
     scale = np.sqrt(np.add.reduce(a * a, axis=0))  # np.linalg.norm's arithmetic, without its overhead
     scale[scale == 0] = 1.0
+    # Imported here: SciPy's optimizers take most of a second to import, which the API process and
+    # the CLI, that never fit, would pay on every start.
+    from scipy.optimize import nnls
+
     try:
         return nnls(a / scale, b, maxiter=_NNLS_ITERATIONS * a.shape[1])[0] / scale
     except RuntimeError as exc:  # SciPy's iteration limit: a window too degenerate to fit

@@ -1,7 +1,8 @@
 """The engine core in its own process (:mod:`cadence.core.core_process`), reached over two ZMQ
 sockets: requests and aborts out, outputs in.
 
-The client starts the process with multiprocessing's ``spawn``, waits for its ready message, and
+The client starts the process from the fork server (:mod:`cadence.runtime.fork_server`: the
+engine's modules are imported there once), waits for its ready message, and
 watches it: if the process exits, or reports its own death, every request pending on it fails at
 once. :meth:`ZmqCoreClient.shutdown` stops it with SIGTERM (the engine core stops its workers
 first), SIGKILL after a timeout.
@@ -9,7 +10,6 @@ first), SIGKILL after a timeout.
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -31,6 +31,7 @@ from cadence.messages import (
     EngineDead,
 )
 from cadence.runtime.actor import Actor, Mailbox, NowaitMailbox
+from cadence.runtime.fork_server import forked_process
 from cadence.runtime.forwarder import Forwarder
 from cadence.runtime.zmq_channel import ZmqReceiveChannel, ZmqSendChannel
 
@@ -43,9 +44,8 @@ class ZmqCoreClient(EngineCoreClient):
         self.addresses = EngineAddresses.fresh()
         # Not a daemon under the mp executor: daemons may not start processes, and that engine core
         # starts its tensor-parallel workers. shutdown() stops it either way; its workers exit with it.
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=engine_core_main, args=(config, self.addresses, log_level),
-            name=f"cadence-engine-core-{rank}", daemon=config.parallel.executor_backend != "mp")
+        self.process = forked_process(engine_core_main, (config, self.addresses, log_level),
+                                      f"cadence-engine-core-{rank}", daemon=config.parallel.executor_backend != "mp")
         self._context = zmq.asyncio.Context()
         # Unbounded: the request manager submits without waiting (admission bounds what it sends).
         self.inputs: ZmqSendChannel[EngineCoreInput] = ZmqSendChannel(
@@ -111,6 +111,16 @@ class ZmqCoreClient(EngineCoreClient):
         """Block (without CPU) until the process exits; its exit code."""
         assert self._exit_code is not None, "the process was never started"
         return await anyio.to_thread.run_sync(self._exit_code.result, abandon_on_cancel=True)
+
+    def exit_code(self, timeout_s: float) -> int | None:
+        """The process's exit status once it has exited, waiting up to ``timeout_s`` (None: still
+        running). Ask here rather than the process: its reaper reads the status, and a join racing
+        that one reads none (from the fork server: 255)."""
+        assert self._exit_code is not None, "the process was never started"
+        try:
+            return self._exit_code.result(timeout_s)
+        except TimeoutError:
+            return None
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (the engine core stops its workers, within ``timeout_s``), else SIGKILL."""

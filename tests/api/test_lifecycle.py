@@ -15,6 +15,7 @@ import aiohttp
 import httpx
 import pytest
 from support.openai_spec import OpenAISpec
+from support.processes import engine_core_pids
 
 from cadence.api.testing import ServerProcess
 
@@ -76,21 +77,6 @@ async def wait_until_idle(url: str, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def engine_core_pid(server_pid: int) -> int:
-    """The server's child that runs the engine core (spawned by multiprocessing)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"spawn_main" in cmdline:
-            return int(entry)
-    raise LookupError(f"no engine core under {server_pid}")
-
-
 def test_overload_is_503(server: ServerProcess, spec: OpenAISpec) -> None:
     async def run() -> None:
         async with aiohttp.ClientSession() as session:
@@ -147,7 +133,7 @@ def test_killing_the_engine_core_fails_in_flight_requests(long_model: Path, tmp_
                 whole = asyncio.ensure_future(unstreamed())
                 await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 30)
                 killed = time.monotonic()
-                os.kill(engine_core_pid(process.pid), signal.SIGKILL)
+                os.kill(engine_core_pids(process.pid)[0], signal.SIGKILL)
                 await asyncio.wait_for(asyncio.gather(whole, *(s.task for s in streams)), 5)
                 assert time.monotonic() - killed < 5
                 for s in streams:

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.processes import descendants
 
 from cadence.api.testing import ServerProcess
 
@@ -33,28 +34,6 @@ def serve(model: Path, log_path: Path, data_parallel_size: int) -> ServerProcess
     args = ["--model", str(model), "--dtype", "float32", "--num-kv-blocks", "80", "--tensor-parallel-size", "2",
             "--data-parallel-size", str(data_parallel_size), "--stay-up-on-engine-death"]
     return ServerProcess(args, log_path=log_path, startup_timeout_s=300)
-
-
-def descendants(pid: int) -> dict[str, int]:
-    """Process name (``/proc/PID/comm``) -> pid of every process below ``pid``."""
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            names[int(entry)] = Path(f"/proc/{entry}/comm").read_text().strip()
-        except OSError:
-            continue
-        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    below: dict[str, int] = {}
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, its_parent in parents.items():
-            if its_parent == parent and child in names:
-                below[names[child]] = child
-                frontier.append(child)
-    return below
 
 
 def wait_until(condition: Callable[[], bool]) -> None:

@@ -16,6 +16,7 @@ import aiohttp
 import anyio
 import httpx
 import pytest
+from support.processes import engine_core_pids
 
 from cadence import SamplingParams
 from cadence.api.testing import ServerProcess
@@ -348,20 +349,6 @@ def test_100_concurrent_requests_are_each_answered_once_and_correctly(server: Se
         assert m[f'cadence:prefix_cache_queries_total{{engine="{rank}"}}'] > 0
         assert m[f'cadence:num_requests_pending{{engine="{rank}"}}'] == 0
         assert m[f'cadence:kv_cache_num_blocks{{engine="{rank}"}}'] > 0
-
-
-def engine_core_pids(server_pid: int) -> dict[int, int]:
-    """rank -> pid of the server's engine-core processes (named ``cadence-core-<rank>``)."""
-    pids = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            comm = Path(f"/proc/{entry}/comm").read_text().strip()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and comm.startswith("cadence-core-"):
-            pids[int(comm.rsplit("-", 1)[1])] = int(entry)
-    return pids
 
 
 async def until(condition: Callable[[], bool]) -> None:

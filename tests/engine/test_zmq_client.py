@@ -74,12 +74,7 @@ async def test_an_engine_core_that_fails_to_start_says_why(config: EngineConfig,
         await client.wait_ready(120)
     assert str(caught.value).startswith(
         "engine core failed to start: ValueError: unknown scheduling policy 'no-such-policy'")
-    # wait_ready's own join, left running in a thread, may reap the process first: wait until the
-    # exit code is known.
-    deadline = time.monotonic() + 60  # a hang guard only
-    while client.process.exitcode is None and time.monotonic() < deadline:
-        client.process.join(0.1)
-    assert client.process.exitcode == 1
+    assert client.exit_code(60) == 1  # 60 s: a hang guard only
     # The engine core exits without removing its sockets' files; shutdown does.
     files = socket_files(client)
     assert all(f.exists() for f in files)
@@ -98,10 +93,7 @@ async def test_an_engine_core_that_never_answers_times_out_and_is_stopped(
         await client.wait_ready(1)
     assert client.process.is_alive()
     client.shutdown(timeout_s=30)
-    deadline = time.monotonic() + 60  # a hang guard only (see above)
-    while client.process.exitcode is None and time.monotonic() < deadline:
-        client.process.join(0.1)
-    assert client.process.exitcode == -15  # SIGTERM sufficed
+    assert client.exit_code(60) == -15  # SIGTERM sufficed
     assert not any(f.exists() for f in socket_files(client))
 
 

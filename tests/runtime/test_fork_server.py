@@ -1,0 +1,49 @@
+"""The engine cores' fork server: a child forked from it has the engine's modules imported already,
+and still runs as a spawned child would, with its parent's environment, working folder and standard
+streams as of its start (not the server's, taken when the server started), and SIGINT ignored."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from cadence.runtime.fork_server import ENGINE_MODULES, forked_process, start_fork_server
+
+
+def report(path: str) -> None:
+    """The child's side: what it found, as JSON in ``path``; a line on each standard stream."""
+    found = {
+        "variable": os.environ.get("CADENCE_FORK_SERVER_TEST"),
+        "cwd": os.getcwd(),
+        "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+        "imported": [name for name in ENGINE_MODULES if name in sys.modules],
+    }
+    Path(path).write_text(json.dumps(found))
+    print("the child's stdout", flush=True)
+    print("the child's stderr", file=sys.stderr, flush=True)
+
+
+def test_a_forked_child_has_the_modules_and_its_parents_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    start_fork_server()  # the server is older than what this test changes next
+    monkeypatch.setenv("CADENCE_FORK_SERVER_TEST", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "found.json"
+    process = forked_process(report, (str(out),), "fork-server-test", daemon=True)
+    process.start()
+    process.join(120)  # a hang guard only
+    assert process.exitcode == 0
+    assert json.loads(out.read_text()) == {
+        "variable": "set after the server started",
+        "cwd": str(tmp_path),
+        "sigint_ignored": True,
+        "imported": list(ENGINE_MODULES),  # by the server: the target's module imports none of them
+    }
+    captured = capfd.readouterr()
+    assert "the child's stdout" in captured.out
+    assert "the child's stderr" in captured.err
