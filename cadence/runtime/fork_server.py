@@ -14,11 +14,16 @@ started; a spawned one has its parent's at the start. So each start sends the pa
 and duplicates of its standard output and error, which the child takes before it unpickles anything
 else (the engine's config, the entry point's arguments). The server itself runs with SIGINT ignored,
 which its children inherit until they set their own handling, as a spawned child inherits the API
-process's (``api/server.py`` ignores SIGINT before it launches the engine).
+process's (``api/server.py`` ignores SIGINT before it launches the engine). And the server must
+not initialize CUDA, which a child forked after it could not use (PyTorch supports CUDA in children
+of a ``forkserver`` whose server never touched it): it runs with
+``PYTORCH_NVML_BASED_CUDA_CHECK=1``, so that an availability check during its imports asks NVML.
+On a GPU this path is not yet verified (no device was lent when it was written).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import multiprocessing.forkserver
@@ -26,7 +31,7 @@ import multiprocessing.process
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import reduction
 from typing import Any
 
@@ -35,17 +40,41 @@ from typing import Any
 ENGINE_MODULES = ("cadence.core.core_process", "cadence.core.engine_core", "cadence.executor.worker",
                   "cadence.models.llama")
 _CONTEXT = multiprocessing.get_context("forkserver")
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def start_fork_server() -> None:
     """Start the server unless it runs; it imports :data:`ENGINE_MODULES` while the caller goes on."""
     _CONTEXT.set_forkserver_preload(list(ENGINE_MODULES))
-    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+    with _server_environment(), _sigint_ignored():
         multiprocessing.forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server and its children ignore it
+
+
+@contextlib.contextmanager
+def _server_environment() -> Iterator[None]:
+    # CUDA cannot be used in a child forked after its parent initialized it: should an import in the
+    # server ask torch whether CUDA is available, torch then asks NVML, which initializes nothing.
+    # (The children get their parent's environment, not this.)
+    previous = os.environ.get(_NVML_CHECK)
+    os.environ[_NVML_CHECK] = "1"
     try:
-        multiprocessing.forkserver.ensure_running()
+        yield
+    finally:
+        if previous is None:
+            del os.environ[_NVML_CHECK]
+        else:
+            os.environ[_NVML_CHECK] = previous
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    # The server and its children ignore it (only the main thread may set a handler).
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
 

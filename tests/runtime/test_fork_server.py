@@ -5,6 +5,7 @@ streams as of its start (not the server's, taken when the server started), and S
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from cadence.runtime.fork_server import ENGINE_MODULES, forked_process, start_fork_server
+
+linux_only = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc (Linux)")
 
 
 def report(path: str) -> None:
@@ -47,3 +50,15 @@ def test_a_forked_child_has_the_modules_and_its_parents_state(
     captured = capfd.readouterr()
     assert "the child's stdout" in captured.out
     assert "the child's stderr" in captured.err
+
+
+@linux_only
+def test_the_server_asks_nvml_about_cuda_and_this_process_is_left_as_it_was() -> None:
+    """The server's imports must not initialize CUDA (its children could not use it): torch's
+    availability check goes through NVML there. The variable is the server's alone."""
+    before = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    start_fork_server()
+    assert os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == before
+    server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    environ = Path(f"/proc/{server}/environ").read_bytes().split(b"\0")
+    assert b"PYTORCH_NVML_BASED_CUDA_CHECK=1" in environ
