@@ -91,17 +91,26 @@ class _Parent:
     """Pickled at the process's start: the parent's environment and standard streams then."""
 
     def __reduce__(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
-        # DupFd passes the descriptors along with the start (multiprocessing sends them to the child).
-        return _adopt, (dict(os.environ), reduction.DupFd(1), reduction.DupFd(2))
+        return _adopt, (dict(os.environ), _duplicate(1), _duplicate(2))
+
+
+def _duplicate(fd: int) -> Any:
+    """``fd`` sent along with the start (multiprocessing passes it to the child); None if closed here."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return reduction.DupFd(fd)
 
 
 def _adopt(environ: dict[str, str], stdout: Any, stderr: Any) -> None:
     os.environ.clear()
     os.environ.update(environ)
     for fd, duplicate in ((1, stdout), (2, stderr)):
-        inherited = duplicate.detach()
-        os.dup2(inherited, fd)
-        os.close(inherited)
+        if duplicate is not None:
+            inherited = duplicate.detach()
+            os.dup2(inherited, fd)
+            os.close(inherited)
 
 
 def _run(parent: None, target: Callable[..., object], args: tuple[Any, ...]) -> None:

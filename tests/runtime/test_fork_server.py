@@ -62,3 +62,19 @@ def test_the_server_asks_nvml_about_cuda_and_this_process_is_left_as_it_was() ->
     server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
     environ = Path(f"/proc/{server}/environ").read_bytes().split(b"\0")
     assert b"PYTORCH_NVML_BASED_CUDA_CHECK=1" in environ
+
+
+def test_a_parent_with_its_stdout_closed_still_starts_children(tmp_path: Path) -> None:
+    """Only open streams go along: with fd 1 closed here, the child runs (and keeps the server's)."""
+    out = tmp_path / "found.json"
+    process = forked_process(report, (str(out),), "fork-server-test", daemon=True)
+    saved = os.dup(1)
+    os.close(1)
+    try:
+        process.start()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    process.join(120)  # a hang guard only
+    assert process.exitcode == 0
+    assert json.loads(out.read_text())["imported"] == list(ENGINE_MODULES)
