@@ -1,9 +1,9 @@
 """The engine core in its own process: scheduler, KV allocator and executor behind two ZMQ sockets.
 
 The front end (:class:`cadence.engine.core_client.ZmqCoreClient`) starts :func:`engine_core_main`
-in a child of the fork server (:mod:`cadence.runtime.fork_server`: a process that has imported the
-engine's modules and started no threads of the API process's; torch gets every core while the API
-process keeps one) and waits for :class:`~cadence.messages.EngineCoreReady`.
+in a child of the fork server (:mod:`cadence.runtime.fork_server`: a process that imported the
+engine's modules and holds none of the API process's threads or sockets; torch gets every core while
+the API process keeps one) and waits for :class:`~cadence.messages.EngineCoreReady`.
 Requests and aborts come in on one socket, outputs (and, once, ``EngineDead``) go out on the other.
 
 With data parallelism there is one such process per rank, each with its own sockets and KV cache
