@@ -4,30 +4,12 @@ from its fork server (cadence/runtime/fork_server.py)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from cadence.bench.soak.probe import process_tree
 
 
 def descendants(pid: int) -> dict[str, int]:
     """Process name (``/proc/PID/comm``) -> pid of every process below ``pid``."""
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            names[int(entry)] = Path(f"/proc/{entry}/comm").read_text().strip()
-        except OSError:
-            continue
-        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    below: dict[str, int] = {}
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, its_parent in parents.items():
-            if its_parent == parent and child in names:
-                below[names[child]] = child
-                frontier.append(child)
-    return below
+    return {name: child for child, name in process_tree(pid).items() if child != pid}
 
 
 def engine_core_pids(server_pid: int) -> dict[int, int]:

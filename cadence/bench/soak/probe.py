@@ -27,8 +27,9 @@ def parse_stat(stat_text: str) -> tuple[str, int]:
     return comm, int(stat_text[stat_text.rindex(")") + 2:].split()[1])
 
 
-def process_tree_rss(root: int) -> dict[str, int]:
-    """``{"name (pid)": rss}`` for ``root`` (named ``api``) and every descendant, from /proc."""
+def process_tree(root: int) -> dict[int, str]:
+    """``{pid: name}`` for ``root`` and every process below it, from /proc (root first; "?" where
+    its stat could not be read)."""
     children: dict[int, list[int]] = {}
     names: dict[int, str] = {}
     for entry in os.listdir("/proc"):
@@ -38,17 +39,25 @@ def process_tree_rss(root: int) -> dict[str, int]:
             except (OSError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    out: dict[str, int] = {}
+    tree: dict[int, str] = {}
     todo = [root]
     while todo:
         pid = todo.pop()
         todo.extend(children.get(pid, []))
+        tree[pid] = names.get(pid, "?")
+    return tree
+
+
+def process_tree_rss(root: int) -> dict[str, int]:
+    """``{"name (pid)": rss}`` for ``root`` (named ``api``) and every descendant, from /proc."""
+    out: dict[str, int] = {}
+    for pid, name in process_tree(root).items():
         try:
             rss = parse_vmrss(Path(f"/proc/{pid}/status").read_text())
         except OSError:
             continue
         if rss is not None:
-            out[f"{'api' if pid == root else names.get(pid, '?')} ({pid})"] = rss
+            out[f"{'api' if pid == root else name} ({pid})"] = rss
     return out
 
 
