@@ -1,8 +1,9 @@
 """cadence's C++ CPU kernels against what they replace, in one run, on SmolLM2-135M's shapes.
 
 - GEMM: every bf16 linear of the 30 layers plus the LM head, each layer with its own weight (so
-  the weights stream from memory as in a real step), at 1, 64 and 2,048 rows: cadence's VDPBF16PS
-  kernel (``csrc/bf16_linear.cpp``) against oneDNN's prepacked GEMM and plain ``F.linear``.
+  the weights stream from memory as in a real step), at 1, 16, 64 and 2,048 rows: cadence's GEMM
+  (``csrc/bf16_linear.cpp``; on a CPU with AMX both its paths, AMX tiles and VDPBF16PS) against
+  oneDNN's prepacked GEMM (which takes AMX where the CPU has it) and plain ``F.linear``.
 - argmax: the sampler's greedy choice over a [64, 49152] fp32 batch, against ``torch.argmax``.
 - decode attention: 64 requests x 200 tokens of context, 30 layers, read through a block table
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
@@ -52,9 +53,10 @@ def bench_gemm(ops: Any, rows: int, repeats: int) -> None:
         "F.linear": lambda x, i: F.linear(x, weights[i // LAYERS][i % LAYERS]),
         "oneDNN prepacked": lambda x, i: torch.ops.mkldnn._linear_pointwise(
             x, onednn[i // LAYERS][i % LAYERS], None, "none", [], ""),
-        "cadence bf16_linear": lambda x, i: ops.bf16_linear(x, ours[i // LAYERS][i % LAYERS], None,
-                                                           GEMMS[i // LAYERS][0]),
     }
+
+    def ours_call(x: torch.Tensor, i: int) -> object:
+        return ops.bf16_linear(x, ours[i // LAYERS][i % LAYERS], None, GEMMS[i // LAYERS][0])
 
     def step(call: Callable[[torch.Tensor, int], object]) -> None:
         for group, (_, _, copies) in enumerate(GEMMS):  # outputs are dropped at once, as in a forward
@@ -62,11 +64,17 @@ def bench_gemm(ops: Any, rows: int, repeats: int) -> None:
                 call(inputs[group], group * LAYERS + copy)
 
     times = {name: median_ms(functools.partial(step, call), repeats) for name, call in calls.items()}
+    paths = {"cadence AMX": True, "cadence VDPBF16PS": False}
+    for name, amx in paths.items():
+        if ops.bf16_linear_use_amx(amx) == amx:  # the AMX path only where the CPU has it
+            times[name] = median_ms(functools.partial(step, ours_call), repeats)
+    ops.bf16_linear_use_amx(True)
     flops = sum(2 * rows * n * k * copies for n, k, copies in GEMMS)
     for name, ms in times.items():
         print(f"  GEMM {rows:>5} rows  {name:<20} {ms:8.2f} ms  {flops / ms / 1e6:6.0f} GFLOP/s")
-    print(f"  GEMM {rows:>5} rows  cadence vs oneDNN: {times['oneDNN prepacked'] / times['cadence bf16_linear']:.2f}x,"
-          f" vs F.linear: {times['F.linear'] / times['cadence bf16_linear']:.2f}x")
+    for name in paths.keys() & times.keys():
+        print(f"  GEMM {rows:>5} rows  {name} vs oneDNN: {times['oneDNN prepacked'] / times[name]:.2f}x,"
+              f" vs F.linear: {times['F.linear'] / times[name]:.2f}x")
 
 
 def bench_argmax(ops: Any, repeats: int) -> None:
@@ -94,7 +102,7 @@ def bench_attention(ops: Any, repeats: int) -> None:
 
         def step(table: torch.Tensor = table) -> None:
             for k, v in caches:
-                ops.paged_attention(out, q, k, v, table, rows, seq_lens, head_dim ** -0.5)
+                ops.paged_attention(out, q, k, v, table, rows, seq_lens, head_dim ** -0.5, 0, 0.0)
 
         times[name] = median_ms(step, repeats)
         print(f"  decode attention, {name} blocks: {times[name]:.2f} ms per 30 layers")
@@ -113,7 +121,7 @@ def main() -> None:
         raise SystemExit("cadence's CPU kernels do not run on this machine (they need AVX-512)")
     print(f"cadence CPU kernels, {ns.num_threads} threads, median of {ns.repeats}")
     if ops.bf16_linear_supported():
-        for rows in (1, 64, 2048):
+        for rows in (1, 16, 64, 2048):
             bench_gemm(ops, rows, ns.repeats)
     else:
         print("  GEMM: skipped, the CPU has no AVX512-BF16")

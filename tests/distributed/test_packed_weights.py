@@ -1,10 +1,12 @@
-"""Prepacked GEMM weights for CPU models: cadence's AVX512-BF16 GEMM (``csrc/bf16_linear.cpp``),
-exact to the instruction's arithmetic, and oneDNN's packed layout where it is missing (bf16: bit for
+"""Prepacked GEMM weights for CPU models: cadence's bf16 GEMM (``csrc/bf16_linear.cpp``): its
+VDPBF16PS path exact to the instruction's arithmetic, its AMX path within the output's rounding of
+the exact product and batch-invariant; and oneDNN's packed layout where it is missing (bf16: bit for
 bit F.linear) and for float32 on x86."""
 
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,6 +25,18 @@ needs_bf16_gemm = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().bf16_lin
                                      reason="this CPU has no AVX512-BF16")
 
 
+@pytest.fixture
+def gemm_path(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The GEMM path the test asks for (True: AMX tiles), for the test's length; skips where the CPU
+    has no such path."""
+    ops = cpu_ops()
+    amx: bool = request.param
+    if ops.bf16_linear_use_amx(amx) != amx:
+        pytest.skip("this CPU has no AMX")
+    yield amx
+    ops.bf16_linear_use_amx(True)
+
+
 def _dot_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` as VDPBF16PS computes it: per output, an fp32 sum that adds the exact
     product of features 2p+1 then of 2p for each pair p in turn; the bias last; one rounding to bf16."""
@@ -34,13 +48,18 @@ def _dot_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return (acc if bias is None else acc + bias.float()).bfloat16()
 
 
+_ROWS = [1, 7, 8, 9, 15, 16, 17, 64, 67, 300]  # tiles of 8 and 16 rows and their tails; blocks of 256 rows
+# AMX takes input widths in steps of 32 (64, 576, 96); the rest go by VDPBF16PS on any CPU
+_SHAPES = [(1, 2), (47, 64), (48, 576), (301, 96), (49, 40)]
+
+
 @needs_bf16_gemm
-# tiles of 8 rows and their tails; prefetching from 8 rows; blocks of 256 rows
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 67, 300])
-@pytest.mark.parametrize(("out_features", "in_features"), [(1, 2), (47, 64), (48, 576), (301, 96)])
+@pytest.mark.parametrize("gemm_path", [False], indirect=True)
+@pytest.mark.parametrize("rows", _ROWS)
+@pytest.mark.parametrize(("out_features", "in_features"), _SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_gemm_is_exactly_the_instructions_arithmetic(rows: int, out_features: int, in_features: int,
-                                                          with_bias: bool) -> None:
+                                                          with_bias: bool, gemm_path: bool) -> None:
     ops = cpu_ops()
     torch.manual_seed(rows * out_features)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
@@ -52,13 +71,41 @@ def test_bf16_gemm_is_exactly_the_instructions_arithmetic(rows: int, out_feature
 
 
 @needs_bf16_gemm
-def test_bf16_gemm_reads_strided_and_misaligned_rows() -> None:
+@pytest.mark.parametrize("gemm_path", [True], indirect=True)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("out_features", "in_features"), _SHAPES)
+def test_amx_gemm_rounds_the_exact_product_and_is_batch_invariant(out_features: int, in_features: int,
+                                                                  with_bias: bool, gemm_path: bool) -> None:
+    # Intel does not specify how a tile step rounds inside a pair's two products, so the AMX path is
+    # held to the exact product's rounding (an fp32 sum of the input width's products, then bf16),
+    # and to each row's result not depending on the rows beside it.
+    ops = cpu_ops()
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(max(_ROWS), in_features, dtype=torch.bfloat16)
+    packed = ops.pack_bf16_linear(weight)
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ weight.double().abs().T  # what the fp32 sum's rounding errors scale with
+    got = ops.bf16_linear(x, packed, bias, out_features).double()
+    assert ((got - exact).abs() <= 2.0 ** -8 * exact.abs() + 2.0 ** -20 * scale).all()
+    for rows in _ROWS:
+        assert torch.equal(ops.bf16_linear(x[:rows], packed, bias, out_features), got[:rows].bfloat16())
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("gemm_path", [False, True], indirect=True)
+def test_bf16_gemm_reads_strided_and_misaligned_rows(gemm_path: bool) -> None:
     ops = cpu_ops()
     weight = torch.randn(100, 32, dtype=torch.bfloat16)
     packed = ops.pack_bf16_linear(weight)
-    wide = torch.randn(10, 70, dtype=torch.bfloat16)
+    wide = torch.randn(40, 70, dtype=torch.bfloat16)
+    dense = ops.bf16_linear(wide[:, :32].contiguous(), packed, None, 100)
     for x in (wide[:, :32], wide[:, 1:33], wide[::2, 4:36]):  # padded rows, odd offset, skipped rows
-        assert torch.equal(ops.bf16_linear(x, packed, None, 100), _dot_bf16(x, weight, None))
+        assert torch.equal(ops.bf16_linear(x, packed, None, 100), ops.bf16_linear(x.contiguous(), packed, None, 100))
+    assert torch.equal(ops.bf16_linear(wide[:, :32], packed, None, 100), dense)
+    if not gemm_path:
+        assert torch.equal(dense, _dot_bf16(wide[:, :32], weight, None))
 
 
 @needs_bf16_gemm
