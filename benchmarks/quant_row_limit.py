@@ -1,12 +1,14 @@
-"""Where the AVX2 kernel's row limits should sit on this CPU: the quantized kernel against oneDNN's
-float32 GEMM over the dequantized weight, per row count, over the default model's own matrices (the
-30 layers' Q4_1 ones, and the Q8_0 LM head apart: 8-bit codes cost the kernel twice the work).
+"""Where the quantized kernel's row limits should sit on this CPU: the kernel against oneDNN's GEMM
+over the dequantized weight (float32, or bfloat16 with ``--dtype``: on AMX CPUs oneDNN runs that on
+the tile unit), per row count, over the default model's own matrices (the 30 layers' Q4_1 ones, and
+the Q8_0 LM head apart: 8-bit codes cost the kernel twice the work).
 
 Prints the milliseconds (median of the repeats) of each path at each row count; the kernel should
 take the rows where its column is the smaller (``quantization/packed.py: _AVX2_KERNEL_ROWS`` and
-``_AVX2_KERNEL_ROWS_8_BIT``). A benchmark, never a test; needs the kernel (an x86 CPU with AVX2).
+``_AVX2_KERNEL_ROWS_8_BIT``, and ``_AMX_KERNEL_ROWS`` for bfloat16 on AMX). A benchmark, never a
+test; needs the kernel (an x86 CPU with AVX2).
 
-    python benchmarks/quant_row_limit.py [--rows 1,2,4,8,16,32 --repeats 5 --num-threads 2]
+    python benchmarks/quant_row_limit.py [--rows 1,2,4,8,16,32 --repeats 5 --num-threads 2 --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -45,22 +47,26 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,3,4,8,12,16,20,24,32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.num_threads)
     if not packed.kernel_available():
         raise SystemExit("no quantized kernel here (it needs an x86 CPU with AVX2)")
     layers, head = load_matrices(default_model_path())
     for m in [*layers, head]:
-        m.dense(torch.float32)  # dequantized once, as the engine's warm-up does
+        m.dense(dtype)  # dequantized once, as the engine's warm-up does
     print(f"{len(layers)} layer matrices ({layers[0].bits}-bit); LM head {head.rows} x {head.cols}, {head.bits}-bit")
     print("rows | layers: kernel | oneDNN | head: kernel | oneDNN (ms)")
     for count in (int(r) for r in args.rows.split(",")):
-        print(f"{count} | " + " | ".join(f"{t:.1f}" for t in row_times(layers, head, count, args.repeats)), flush=True)
+        times = row_times(layers, head, count, args.repeats, dtype)
+        print(f"{count} | " + " | ".join(f"{t:.1f}" for t in times), flush=True)
 
 
-def row_times(layers: list[QuantizedMatrix], head: QuantizedMatrix, count: int, repeats: int) -> list[float]:
-    """Milliseconds of ``count`` rows through the layers (kernel, oneDNN), then the head (the same)."""
-    inputs = {cols: torch.randn(count, cols) for cols in {m.cols for m in [*layers, head]}}
+def row_times(layers: list[QuantizedMatrix], head: QuantizedMatrix, count: int, repeats: int,
+              dtype: torch.dtype) -> list[float]:
+    """Milliseconds of ``count`` rows of ``dtype`` through the layers (kernel, oneDNN), then the head (the same)."""
+    inputs = {cols: torch.randn(count, cols, dtype=dtype) for cols in {m.cols for m in [*layers, head]}}
 
     def every_layer(path: Callable[[torch.Tensor, QuantizedMatrix, None], torch.Tensor]) -> None:
         for m in layers:

@@ -78,7 +78,7 @@ class QuantizedMatrix:
 
 @functools.cache
 def _say_dequantized_once(device: torch.device, dtype: torch.dtype, kernel: bool) -> None:
-    why = (f"{dtype} batches past the AVX2 kernel's row limit run faster through a float GEMM" if kernel
+    why = (f"{dtype} batches past the quantized kernel's row limit run faster through a float GEMM" if kernel
            else f"no quantized-weight kernel for {dtype} activations on {device} (it needs an x86 CPU with AVX2)")
     logger.warning("%s: the quantized weights are dequantized once, on first use, and kept beside their blocks; "
                    "--quantization none loads them dequantized only", why)
@@ -237,11 +237,34 @@ def _kernel() -> Any | None:
 # at 32. bfloat16 rows always take the kernel (torch's bfloat16 GEMM is slower still there).
 _AVX2_KERNEL_ROWS = 16
 _AVX2_KERNEL_ROWS_8_BIT = 2
+# On CPUs with AMX oneDNN runs bfloat16 GEMMs on the tile unit, and past these rows a bfloat16 dense
+# weight beats either kernel. On the 2-core Sapphire Rapids-class VM (2026-12-05, `python
+# benchmarks/quant_row_limit.py --dtype bfloat16`) SmolLM2's 30 Q4_1 layers took 13.0 ms through the
+# VNNI kernel against 13.8 dense at 16 rows, 16.9 against 15.5 at 24, 36.7 against 17.5 at 64; its
+# Q8_0 LM head 1.3 against 1.4 at 8 rows, 1.8 against 1.4 at 12.
+_AMX_KERNEL_ROWS = 16
+_AMX_KERNEL_ROWS_8_BIT = 8
+
+
+def _row_limits(dtype: torch.dtype) -> tuple[int, int] | None:
+    """The most rows of ``dtype`` a kernel here takes, by code width (4-bit, 8-bit); None for every batch."""
+    if dtype == torch.bfloat16 and _amx_gemm():
+        return _AMX_KERNEL_ROWS, _AMX_KERNEL_ROWS_8_BIT
+    if dtype != torch.float32 or vnni_available():
+        return None
+    return _AVX2_KERNEL_ROWS, _AVX2_KERNEL_ROWS_8_BIT
+
+
+@functools.cache
+def _amx_gemm() -> bool:
+    """Whether oneDNN's bfloat16 GEMM over a dense weight runs on AMX tiles here."""
+    return torch.cpu._is_amx_tile_supported() and onednn.packs(torch.bfloat16, torch.device("cpu"))
 
 
 def kernel_takes_every_batch(dtype: torch.dtype) -> bool:
-    """Whether a kernel here takes every batch of ``dtype``: the VNNI one; the AVX2 one for bfloat16."""
-    return kernel_available() and (dtype != torch.float32 or vnni_available())
+    """Whether a kernel here takes every batch of ``dtype``: the VNNI one, but not bfloat16 beside AMX;
+    the AVX2 one for bfloat16, likewise."""
+    return kernel_available() and _row_limits(dtype) is None
 
 
 def kernel_row_limit(matrix: QuantizedMatrix | QuantizedRowStack, dtype: torch.dtype) -> int | None:
@@ -250,8 +273,9 @@ def kernel_row_limit(matrix: QuantizedMatrix | QuantizedRowStack, dtype: torch.d
     weights; None where it takes every batch."""
     if kernel_takes_every_batch(dtype):
         return None
+    four_bit, eight_bit = _row_limits(dtype) or (_AVX2_KERNEL_ROWS, _AVX2_KERNEL_ROWS_8_BIT)
     parts = matrix.parts if isinstance(matrix, QuantizedRowStack) else (matrix,)
-    return min(_AVX2_KERNEL_ROWS_8_BIT if part.bits == 8 else _AVX2_KERNEL_ROWS for part in parts)
+    return min(eight_bit if part.bits == 8 else four_bit for part in parts)
 
 
 def model_row_limit(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int | None:
@@ -303,7 +327,8 @@ def _kernel_takes(num_rows: int, matrix: QuantizedMatrix | QuantizedRowStack, x:
     """Whether the kernel, rather than the dense GEMM, takes ``num_rows`` rows of ``x`` for ``matrix``."""
     if not kernel_runs(x):
         return False
-    if num_rows <= min(_AVX2_KERNEL_ROWS, _AVX2_KERNEL_ROWS_8_BIT):  # under every width's limit (one user's decode)
+    # under every limit (one user's decode)
+    if num_rows <= min(_AVX2_KERNEL_ROWS, _AVX2_KERNEL_ROWS_8_BIT, _AMX_KERNEL_ROWS, _AMX_KERNEL_ROWS_8_BIT):
         return True
     limit = kernel_row_limit(matrix, x.dtype)
     return limit is None or num_rows <= limit

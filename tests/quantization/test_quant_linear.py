@@ -43,10 +43,10 @@ def _dense_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def _kernel_at_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The AVX2 kernel on batches of any size (quantized_linear sends float32 ones past its row limit
-    to the dense GEMM; test_large_float32_batches_... checks that)."""
-    monkeypatch.setattr(packed, "_AVX2_KERNEL_ROWS", 1 << 30)
-    monkeypatch.setattr(packed, "_AVX2_KERNEL_ROWS_8_BIT", 1 << 30)
+    """The kernel on batches of any size (quantized_linear sends float32 ones past the AVX2 kernel's
+    row limit, and bfloat16 ones beside AMX, to the dense GEMM; test_large_..._batches_... checks that)."""
+    for limit in ("_AVX2_KERNEL_ROWS", "_AVX2_KERNEL_ROWS_8_BIT", "_AMX_KERNEL_ROWS", "_AMX_KERNEL_ROWS_8_BIT"):
+        monkeypatch.setattr(packed, limit, 1 << 30)
 
 
 def _weight(kind: GGMLQuantizationType, rows: int, blocks: int) -> tuple[QuantizedMatrix, torch.Tensor]:
@@ -284,8 +284,24 @@ def test_large_float32_batches_take_the_dense_gemm_beside_the_avx2_kernel(monkey
         kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
         assert torch.equal(quantized_linear(x[:limit], matrix, None), kernel[:limit])
         assert torch.equal(quantized_linear(x, matrix, None), kernel if packed.vnni_available() else dense)
-        assert torch.equal(quantized_linear(x.bfloat16(), matrix, None), packed._kernel()(
-            x.bfloat16(), matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric))
+        if not packed._amx_gemm():  # bfloat16 takes the kernel at every batch (beside AMX: the test below)
+            assert torch.equal(quantized_linear(x.bfloat16(), matrix, None), packed._kernel()(
+                x.bfloat16(), matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric))
+
+
+@needs_kernel
+@pytest.mark.skipif(not packed._amx_gemm(), reason="needs AMX (oneDNN's bfloat16 GEMM on tiles)")
+def test_large_bfloat16_batches_take_the_dense_gemm_beside_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()
+    torch.manual_seed(8)
+    # 4-bit codes up to 16 rows, 8-bit ones up to 8
+    for kind, limit in ((Q.Q4_1, 16), (Q.Q8_0, 8)):
+        matrix, _ = _weight(kind, rows=70, blocks=3)
+        assert packed.kernel_row_limit(matrix, torch.bfloat16) == limit
+        x = torch.randn(limit + 1, matrix.cols).bfloat16()
+        kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
+        assert torch.equal(quantized_linear(x[:limit], matrix, None), kernel[:limit])
+        assert torch.equal(quantized_linear(x, matrix, None), _dense_gemm(x, dequantize(matrix, torch.bfloat16)))
 
 
 @needs_kernel
@@ -324,7 +340,8 @@ def test_a_model_s_row_limit_is_the_one_most_of_its_weights_have(monkeypatch: py
     assert packed.model_row_limit(layers, torch.float32, cpu) == 16
     assert packed.model_row_limit(torch.nn.Sequential(linear(Q.Q4_1, 70), linear(Q.Q8_0, 200)),
                                   torch.float32, cpu) == 2
-    # bfloat16 rows always take the kernel; another device never does; nor does a float weight.
-    assert packed.model_row_limit(layers, torch.bfloat16, cpu) is None
+    # bfloat16 rows always take the kernel (beside AMX up to 16 rows); another device never does; nor
+    # does a float weight.
+    assert packed.model_row_limit(layers, torch.bfloat16, cpu) == (16 if packed._amx_gemm() else None)
     assert packed.model_row_limit(layers, torch.float32, torch.device("meta")) is None
     assert packed.model_row_limit(torch.nn.Linear(4, 4), torch.float32, cpu) is None
