@@ -87,6 +87,15 @@ at::Tensor pack_bf16_linear(const at::Tensor& weight) {
   return padded.view({panels, kPanelCols, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+// One row of a panel's fp32 sums (its first `cols` columns), plus the bias, rounded to bf16 into
+// `out`: how both paths end.
+void store_panel_row(const __m512* acc, at::BFloat16* out, int64_t cols, const at::BFloat16* bias) {
+  for (int v = 0; v < kPanelVecs && 16 * v < cols; ++v) {
+    const __mmask16 m = cadence::tail_mask(cols - 16 * v);
+    cadence::store16(out + 16 * v, bias ? _mm512_add_ps(acc[v], cadence::load16(bias + 16 * v, m)) : acc[v], m);
+  }
+}
+
 // Rows [0, R) of x against one panel: out[r, c] = bias[c] + sum_k x[r, k] * panel[k, c] for c < cols.
 // x holds each row's k-pairs as int32 (two bf16), `row_pairs` apart. While it runs, it prefetches
 // `fetch_per_pair` lines of `prefetch` per pair step.
@@ -111,13 +120,7 @@ void panel_tile(const int32_t* x, int64_t row_pairs, const __m512bh* panel, int6
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < kPanelVecs && 16 * v < cols; ++v) {
-      const __mmask16 m = cadence::tail_mask(cols - 16 * v);
-      const __m512 sum = bias ? _mm512_add_ps(acc[r][v], cadence::load16(bias + 16 * v, m)) : acc[r][v];
-      cadence::store16(out + r * out_stride + 16 * v, sum, m);
-    }
-  }
+  for (int r = 0; r < R; ++r) store_panel_row(acc[r], out + r * out_stride, cols, bias);
 }
 
 using PanelTile = void (*)(const int32_t*, int64_t, const __m512bh*, int64_t, at::BFloat16*, int64_t, int64_t,
@@ -137,7 +140,8 @@ namespace {
 // each: in a panel, 64 bytes of every pair's 192, so each of the panel's three column blocks loads
 // straight from it with a 192-byte stride. Tiles 0-2 hold a 16-row x 48-column block of fp32 sums,
 // 3 the rows' next 32 input features, 4-6 the panel's. Every output is the same sequence of tile
-// steps whatever the batch (rows past the batch are zeros), so it is batch-invariant as the
+// steps whatever the batch (a row of sums depends only on its own row of x, and rows past the batch
+// are never stored), so it is batch-invariant as the
 // VDPBF16PS path is, though the two round differently (a tile step adds both products of a pair to
 // the sum; VDPBF16PS adds them one at a time).
 constexpr int64_t kAmxRows = 16;
@@ -183,12 +187,9 @@ void amx_panel_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16*
   _tile_stored(1, sums + 16, kSumBytes);
   _tile_stored(2, sums + 32, kSumBytes);
   for (int64_t r = 0; r < m; ++r) {
-    for (int v = 0; v < kPanelVecs && 16 * v < cols; ++v) {
-      const __mmask16 mask = cadence::tail_mask(cols - 16 * v);
-      const __m512 acc = cadence::load16(sums + r * kPanelCols + 16 * v);
-      const __m512 sum = bias ? _mm512_add_ps(acc, cadence::load16(bias + 16 * v, mask)) : acc;
-      cadence::store16(out + r * out_stride + 16 * v, sum, mask);
-    }
+    __m512 acc[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) acc[v] = cadence::load16(sums + r * kPanelCols + 16 * v);
+    store_panel_row(acc, out + r * out_stride, cols, bias);
   }
 }
 
@@ -199,10 +200,12 @@ void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at:
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();  // tile state is per thread
     alignas(64) float sums[kAmxRows * kPanelCols];
-    // A tile reads 16 rows: the last few rows of x go from a copy padded with zeros.
-    std::vector<at::BFloat16> tail;
+    // A tile reads 16 rows: the last few rows of x go from a copy 16 rows long, kept by the thread
+    // (what its rows past the batch hold only reaches sums that are never stored). A decode step's
+    // linears would otherwise each allocate and clear one.
+    thread_local std::vector<at::BFloat16> tail;
     if (tail_first < rows) {
-      tail.assign(kAmxRows * 2 * pairs, at::BFloat16(0.0f));
+      tail.resize(std::max<size_t>(tail.size(), kAmxRows * 2 * pairs));
       for (int64_t r = tail_first; r < rows; ++r) {
         std::copy_n(x + r * x_stride, 2 * pairs, tail.data() + (r - tail_first) * 2 * pairs);
       }
