@@ -72,7 +72,7 @@ def bench_gemm(ops: Any, rows: int, repeats: int) -> None:
     flops = sum(2 * rows * n * k * copies for n, k, copies in GEMMS)
     for name, ms in times.items():
         print(f"  GEMM {rows:>5} rows  {name:<20} {ms:8.2f} ms  {flops / ms / 1e6:6.0f} GFLOP/s")
-    for name in paths.keys() & times.keys():
+    for name in (name for name in paths if name in times):  # the table's order
         print(f"  GEMM {rows:>5} rows  {name} vs oneDNN: {times['oneDNN prepacked'] / times[name]:.2f}x,"
               f" vs F.linear: {times['F.linear'] / times[name]:.2f}x")
 
