@@ -7,6 +7,8 @@
 - argmax: the sampler's greedy choice over a [64, 49152] fp32 batch, against ``torch.argmax``.
 - decode attention: 64 requests x 200 tokens of context, 30 layers, read through a block table
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
+- prefill attention: one 2,048-token prompt (and a 512-token chunk after 1,536 cached tokens), one
+  layer, against torch's causal SDPA over the same keys gathered into contiguous tensors.
 
 Prints milliseconds (the median of the repeats), GFLOP/s for the GEMMs, and cadence's speed-up.
 Needs a CPU with AVX-512 (the GEMM also AVX512-BF16). A benchmark, never a test.
@@ -66,9 +68,9 @@ def bench_gemm(ops: Any, rows: int, repeats: int) -> None:
     times = {name: median_ms(functools.partial(step, call), repeats) for name, call in calls.items()}
     paths = {"cadence AMX": True, "cadence VDPBF16PS": False}
     for name, amx in paths.items():
-        if ops.bf16_linear_use_amx(amx) == amx:  # the AMX path only where the CPU has it
+        if ops.use_amx(amx) == amx:  # the AMX path only where the CPU has it
             times[name] = median_ms(functools.partial(step, ours_call), repeats)
-    ops.bf16_linear_use_amx(True)
+    ops.use_amx(True)
     flops = sum(2 * rows * n * k * copies for n, k, copies in GEMMS)
     for name, ms in times.items():
         print(f"  GEMM {rows:>5} rows  {name:<20} {ms:8.2f} ms  {flops / ms / 1e6:6.0f} GFLOP/s")
@@ -109,6 +111,27 @@ def bench_attention(ops: Any, repeats: int) -> None:
     print(f"  shuffled / contiguous: {times['shuffled'] / times['contiguous']:.2f}x the time")
 
 
+def bench_prefill_attention(ops: Any, repeats: int) -> None:
+    kv_heads, group, head_dim, block_size, context = 3, 3, 64, 16, 2048
+    generator = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(kv_heads, context // block_size, block_size, head_dim, generator=generator,
+                        dtype=torch.bfloat16) for _ in "kv")
+    table = torch.arange(context // block_size).view(1, -1)
+    keys, values = (c.flatten(1, 2).unsqueeze(0) for c in (k, v))  # [1, kv_heads, context, head_dim]
+    for rows in (2048, 512):
+        q = torch.randn(rows, kv_heads * group, head_dim, generator=generator, dtype=torch.bfloat16)
+        out, requests = torch.empty_like(q), torch.zeros(rows, dtype=torch.long)
+        seq_lens = torch.arange(context - rows + 1, context + 1)
+        mask = torch.arange(context)[None, :] < seq_lens[:, None]  # each row sees up to its position
+        ours = median_ms(lambda q=q, out=out, requests=requests, seq_lens=seq_lens: ops.paged_attention(
+            out, q, k, v, table, requests, seq_lens, head_dim ** -0.5, 0, 0.0), repeats)
+        query = q.transpose(0, 1).unsqueeze(0)
+        theirs = median_ms(lambda query=query, mask=mask: F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, enable_gqa=True), repeats)
+        print(f"  prefill attention, {rows} rows over {context} keys: cadence {ours:.2f} ms  "
+              f"torch SDPA {theirs:.2f} ms  {theirs / ours:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-threads", type=int, default=2)
@@ -127,6 +150,7 @@ def main() -> None:
         print("  GEMM: skipped, the CPU has no AVX512-BF16")
     bench_argmax(ops, ns.repeats)
     bench_attention(ops, ns.repeats)
+    bench_prefill_attention(ops, ns.repeats)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Fixtures every test folder shares: tiny models (``make_tiny_model``, built by
 ``support/tiny_models.py``), a real server of one (``serve_tiny``), one with tool and reasoning
-parsers (``tool_chat_server``), OpenAI's spec (``spec``)."""
+parsers (``tool_chat_server``), OpenAI's spec (``spec``), and the C++ kernels' path on AMX
+(``amx_path``)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,21 @@ def _one_torch_thread() -> None:
     """Tiny models: a second intra-op thread only adds synchronisation, and stalls badly on a busy
     machine. Tests of the real model ask for their threads explicitly (``LLM(num_threads=...)``)."""
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def amx_path(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The kernels' path the test asks for (``indirect`` parameter; True: the AMX tiles of the bf16
+    GEMM and of paged attention's prefill tiles), for the test's length; skips where the CPU has no such
+    path."""
+    from cadence.backends.cpu_kernels import cpu_ops
+
+    ops = cpu_ops()
+    amx: bool = request.param
+    if ops is None or ops.use_amx(amx) != amx:
+        pytest.skip("this CPU has no AMX" if amx else "cadence's CPU kernels do not build here")
+    yield amx
+    ops.use_amx(True)
 
 
 @pytest.fixture

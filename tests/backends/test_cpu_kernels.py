@@ -94,6 +94,40 @@ def test_any_split_between_threads_gives_the_same_bits(threads: int) -> None:
     assert torch.equal(alone, shared)
 
 
+# Fresh prompts longer than a tile, chunks over cached prefixes that start mid-block and mid-chunk,
+# a tile of 4 rows (the fewest the tile unit takes), 3 rows and a decode beside them (the fp32 path).
+PREFILLS = [(0, 70), (33, 40), (5, 1), (100, 21), (0, 4), (200, 3)]
+
+
+@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 1, 256), (6, 2, 32)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_bf16_prefill_tiles_match_naive_attention(amx_path: bool, heads: int, kv_heads: int, head_dim: int,
+                                                  block_size: int) -> None:
+    """bf16 prefill tiles, on the tile unit (probabilities rounded to bf16) and off it."""
+    _check(random_paged_batch(PREFILLS, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim), 2e-2)
+
+
+@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
+@pytest.mark.parametrize("window", [0, 20])
+def test_a_rows_bits_do_not_depend_on_its_tile(amx_path: bool, window: int) -> None:
+    """A prompt's rows attended in one call and as two chunks (so in other tiles: rows 0-15, 16-31,
+    32-35 against 0-5, then 6-21, 22-35) give the same bits, with and without a sliding window."""
+    kv_heads, group, head_dim, block_size, rows = 2, 3, 64, 16, 36
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(kv_heads, 4, block_size, head_dim, generator=gen).to(torch.bfloat16) for _ in "kv")
+    q = torch.randn(rows, kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
+    table, lens, ops = torch.tensor([[2, 0, 3, 1]]), torch.arange(1, rows + 1), cpu_ops()
+
+    def attend(first: int, last: int) -> torch.Tensor:
+        out = torch.empty_like(q[first:last])
+        ops.paged_attention(out, q[first:last], k, v, table, torch.zeros(last - first, dtype=torch.long),
+                            lens[first:last], head_dim ** -0.5, window, 0.0)
+        return out
+
+    assert torch.equal(attend(0, rows), torch.cat([attend(0, 6), attend(6, rows)]))
+
+
 def test_torch_path_agrees_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernel cannot run (no AVX-512, no compiler) the backend's torch ops give the same answer."""
     batch = random_paged_batch([(50, 1), (0, 4), (17, 1)], 9, 3, 64, 16, seed=2)

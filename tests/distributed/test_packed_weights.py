@@ -6,7 +6,6 @@ bit F.linear) and for float32 on x86."""
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,18 +22,6 @@ needs_bf16_onednn = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supp
                                        reason="this CPU has no oneDNN bf16 GEMM, so nothing is packed")
 needs_bf16_gemm = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().bf16_linear_supported(),
                                      reason="this CPU has no AVX512-BF16")
-
-
-@pytest.fixture
-def gemm_path(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """The GEMM path the test asks for (True: AMX tiles), for the test's length; skips where the CPU
-    has no such path."""
-    ops = cpu_ops()
-    amx: bool = request.param
-    if ops.bf16_linear_use_amx(amx) != amx:
-        pytest.skip("this CPU has no AMX")
-    yield amx
-    ops.bf16_linear_use_amx(True)
 
 
 def _dot_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -54,12 +41,12 @@ _SHAPES = [(1, 2), (47, 64), (48, 576), (301, 96), (49, 40)]
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("gemm_path", [False], indirect=True)
+@pytest.mark.parametrize("amx_path", [False], indirect=True)
 @pytest.mark.parametrize("rows", _ROWS)
 @pytest.mark.parametrize(("out_features", "in_features"), _SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_gemm_is_exactly_the_instructions_arithmetic(rows: int, out_features: int, in_features: int,
-                                                          with_bias: bool, gemm_path: bool) -> None:
+                                                          with_bias: bool, amx_path: bool) -> None:
     ops = cpu_ops()
     torch.manual_seed(rows * out_features)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
@@ -71,11 +58,11 @@ def test_bf16_gemm_is_exactly_the_instructions_arithmetic(rows: int, out_feature
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("gemm_path", [True], indirect=True)
+@pytest.mark.parametrize("amx_path", [True], indirect=True)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(("out_features", "in_features"), _SHAPES)
 def test_amx_gemm_rounds_the_exact_product_and_is_batch_invariant(out_features: int, in_features: int,
-                                                                  with_bias: bool, gemm_path: bool) -> None:
+                                                                  with_bias: bool, amx_path: bool) -> None:
     # Intel does not specify how a tile step rounds inside a pair's two products, so the AMX path is
     # held to the exact product's rounding (an fp32 sum of the input width's products, then bf16),
     # and to each row's result not depending on the rows beside it.
@@ -94,8 +81,8 @@ def test_amx_gemm_rounds_the_exact_product_and_is_batch_invariant(out_features: 
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("gemm_path", [False, True], indirect=True)
-def test_bf16_gemm_reads_strided_and_misaligned_rows(gemm_path: bool) -> None:
+@pytest.mark.parametrize("amx_path", [False, True], indirect=True)
+def test_bf16_gemm_reads_strided_and_misaligned_rows(amx_path: bool) -> None:
     ops = cpu_ops()
     weight = torch.randn(100, 32, dtype=torch.bfloat16)
     packed = ops.pack_bf16_linear(weight)
@@ -104,7 +91,7 @@ def test_bf16_gemm_reads_strided_and_misaligned_rows(gemm_path: bool) -> None:
     for x in (wide[:, :32], wide[:, 1:33], wide[::2, 4:36]):  # padded rows, odd offset, skipped rows
         assert torch.equal(ops.bf16_linear(x, packed, None, 100), ops.bf16_linear(x.contiguous(), packed, None, 100))
     assert torch.equal(ops.bf16_linear(wide[:, :32], packed, None, 100), dense)
-    if not gemm_path:
+    if not amx_path:
         assert torch.equal(dense, _dot_bf16(wide[:, :32], weight, None))
 
 

@@ -23,17 +23,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "vec.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <vector>
-
-#if defined(__AVX512F__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -41,27 +36,12 @@ namespace {
 // CPUs without AVX-512, where code of that region must never run).
 bool bf16_linear_supported() { return __builtin_cpu_supports("avx512bf16"); }
 
-// AMX: the CPU has its bf16 tiles, and Linux lets this process use their state (asked once).
-bool amx_available() {
-#if defined(__AVX512F__)
-  static const bool available = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-           __builtin_cpu_supports("avx512bf16") && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return available;
-#else
-  return false;  // the AVX2 build over SIMDe
-#endif
-}
-
-std::atomic<bool> amx_enabled{true};
-
-// Whether bf16_linear takes its AMX path from now on (where the CPU has one): tests and benchmarks
-// compare the two paths in one process. Returns whether it will.
-bool bf16_linear_use_amx(bool enable) {
-  amx_enabled = enable;
-  return enable && amx_available();
+// Whether the kernels with an AMX path (this GEMM, paged attention's prefill tiles) take it from now
+// on, where the CPU has one: tests and benchmarks compare the two paths in one process. Returns
+// whether they will.
+bool use_amx(bool enable) {
+  cadence::amx_enabled = enable;
+  return cadence::use_amx();
 }
 
 }  // namespace
@@ -144,25 +124,9 @@ namespace {
 // are never stored), so it is batch-invariant as the
 // VDPBF16PS path is, though the two round differently (a tile step adds both products of a pair to
 // the sum; VDPBF16PS adds them one at a time).
-constexpr int64_t kAmxRows = 16;
+using cadence::configure_tiles;
+using cadence::kAmxRows;
 constexpr int64_t kAmxPairs = 16;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = kAmxRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 // Rows [0, m) (m <= 16) of x (`x_stride` bf16 apart; 16 rows readable) against one panel.
 void amx_panel_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* panel, int64_t pairs,
@@ -253,7 +217,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
 #if defined(__AVX512F__)
-  if (amx_enabled && pairs % kAmxPairs == 0 && amx_available()) {
+  if (pairs % kAmxPairs == 0 && cadence::use_amx()) {
     amx_linear(x.data_ptr<at::BFloat16>(), x.stride(0), rows, packed.data_ptr<at::BFloat16>(), panels, pairs,
                out.data_ptr<at::BFloat16>(), out_features, bias ? bias->data_ptr<at::BFloat16>() : nullptr);
     return out;
@@ -299,7 +263,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c
 
 TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
   m.def("bf16_linear_supported() -> bool", bf16_linear_supported);  // no tensors: callable on any dispatch key
-  m.def("bf16_linear_use_amx(bool enable) -> bool", bf16_linear_use_amx);
+  m.def("use_amx(bool enable) -> bool", use_amx);
   m.def("pack_bf16_linear(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }

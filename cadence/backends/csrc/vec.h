@@ -168,6 +168,35 @@ inline float reduce_add8x2(__m256 lo, __m256 hi) {
 }
 #endif
 
+// r[i][j] -> r[j][i] in registers: pairs of rows interleaved by 32 bits, then by 64, then 128-bit
+// lanes gathered (a few dozen shuffles where 256 scalar stores did it, which cost a short tile, such
+// as a decode verifying speculative drafts, more than its arithmetic).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m512 u[16];  // u[4i + k]: in 128-bit lane L, rows 4i..4i+3 of column 4L + k
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 even_lo = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), odd_lo = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+    const __m512 even_hi = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 odd_hi = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(even_lo, even_hi, 0x88);
+    r[k + 8] = _mm512_shuffle_f32x4(even_lo, even_hi, 0xDD);
+    r[k + 4] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88);
+    r[k + 12] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xDD);
+  }
+}
+
 // e^x, Cephes' expf polynomial (relative error ~1e-7); x is clamped to [-87, 88].
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));

@@ -1,0 +1,73 @@
+// What paged attention's two translation units share: a call's shape, and the AMX path for prefill
+// tiles (attention_amx.cpp), which paged_attention.cpp hands its bf16 tiles to where the CPU has tiles.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace cadence {
+
+// Sizes of one call, fixed across its tasks; passed by value, so that stores through float pointers
+// cannot alias them and loops keep them in registers.
+struct Shape {
+  int64_t group;        // query heads per KV head
+  int64_t chunks;       // head_dim / 16
+  int64_t block_size;
+  int64_t head_stride;  // elements between KV heads in the cache: num_blocks * block_size * head_dim
+  int64_t max_blocks;   // block-table row length
+  int64_t q_stride;     // elements between q's rows (tokens); heads and dims are dense
+  int64_t window;       // keys a row sees before and at its position; 0: all of them
+  float scale;
+  float soft_cap;       // 0: none
+
+  // The first key a row that sees `len` keys attends to.
+  int64_t begin(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
+};
+
+// One thread's prefill tiles on the AMX tile unit, over a bf16 cache whose head_dim is a multiple of
+// 32, for one paged_attention call (the caches' contents are the call's). It keeps, for each KV head,
+// the keys and values of the request it last attended, repacked as tile operands, and grows them as
+// that request's next tiles read further: a 512-token chunk is 32 tiles, each over every key before it.
+class AmxPrefill {
+ public:
+  AmxPrefill(const Shape& s, int64_t num_kv_heads);
+  ~AmxPrefill();
+  AmxPrefill(const AmxPrefill&) = delete;
+  AmxPrefill& operator=(const AmxPrefill&) = delete;
+
+  // Rows [0, rows) (at most 16) of request `request`, at consecutive positions, the first seeing
+  // `first_len` keys, against KV head `head`: `q` is the first row's first query head of the KV head
+  // (rows s.q_stride apart), `keys`/`values` the head's caches, `blocks` the request's block-table row.
+  // Writes the rows' outputs, fp32, to out [16][group][head_dim].
+  void attend(const at::BFloat16* q, int64_t rows, int64_t first_len, int64_t request, int64_t head,
+              const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks, float* out);
+
+ private:
+  struct Packed {
+    int64_t request = -1;
+    int64_t base = 0;    // the first key packed, a multiple of 32
+    int64_t loaded = 0;  // keys [base, loaded) are the cache's; past them, to the 32-key chunk's end, zeros
+    std::vector<uint32_t> keys;    // per 16 keys, [head_dim / 2][16]: the keys' dim pairs, transposed
+    std::vector<uint16_t> values;  // per 32 keys, [head_dim / 16][16 key pairs][16 dims][2]
+  };
+
+  void ensure(Packed& p, int64_t request, int64_t first, int64_t end, const at::BFloat16* keys,
+              const at::BFloat16* values, const int64_t* blocks) const;
+  void pack_keys(Packed& p, int64_t first, int64_t end, const at::BFloat16* keys, const int64_t* blocks) const;
+  void pack_values(Packed& p, int64_t first, int64_t end, const at::BFloat16* values, const int64_t* blocks) const;
+  void score(const uint32_t* keys, int64_t width);
+  float exponentials(int64_t row, int64_t len, int64_t first, int64_t width);
+  void weigh(const uint16_t* values, int64_t width, float* out);
+
+  const Shape s_;
+  std::vector<Packed> packed_;  // per KV head
+  std::vector<uint16_t> q_;     // one query head's 16 rows, bf16: the scores' A tiles
+  int64_t stride_ = 0;          // elements between the rows of scores_ and probs_ for this tile
+  std::vector<float> scores_;   // [16][stride_]: the tile's keys from its first
+  std::vector<uint16_t> probs_;  // [16][stride_]: the exponentials, bf16, zero outside each row's keys
+  bool configured_ = false;
+};
+
+}  // namespace cadence
