@@ -128,6 +128,57 @@ def test_a_rows_bits_do_not_depend_on_its_tile(amx_path: bool, window: int) -> N
     assert torch.equal(attend(0, rows), torch.cat([attend(0, 6), attend(6, rows)]))
 
 
+def _shared_prefix_decodes(window: int, cap: float) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Decodes whose requests share their first blocks, as a system prompt in the prefix cache leaves
+    them: five over 8 blocks (one diverging after 6), three over 5 blocks (too few to share), one alone;
+    the kernel's arguments, its output, and naive fp32 attention's."""
+    kv_heads, group, head_dim, block_size = 3, 3, 64, 16
+    gen = torch.Generator().manual_seed(11)
+    k, v = (torch.randn(kv_heads, 80, block_size, head_dim, generator=gen).to(torch.bfloat16) for _ in "kv")
+    prefixes = [list(range(1, 9))] * 4 + [[1, 2, 3, 4, 5, 6, 60, 61]] + [list(range(9, 14))] * 3 + [[70, 71]]
+    own = [1, 17, 40, 16, 5, 3, 33, 2, 20]  # keys past the shared blocks, the last one the decode's own
+    tables, lens, free = [], [], 20
+    for prefix, extra in zip(prefixes, own, strict=True):
+        blocks = -(-extra // block_size)
+        tables.append(prefix + list(range(free, free + blocks)))
+        free += blocks
+        lens.append(len(prefix) * block_size + extra)
+    width = max(map(len, tables))
+    table = torch.tensor([row + [0] * (width - len(row)) for row in tables])
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    cpu_ops().paged_attention(out, q, k, v, table, torch.arange(len(lens)), torch.tensor(lens), head_dim ** -0.5,
+                              window, cap)
+    expected = []
+    for i, seq_len in enumerate(lens):
+        positions = torch.arange(max(0, seq_len - window) if window else 0, seq_len)
+        keys, values = (c[:, table[i][positions // block_size], positions % block_size].float() for c in (k, v))
+        scores = q[i].float().view(kv_heads, group, head_dim) @ keys.transpose(1, 2) * head_dim ** -0.5
+        scores = cap * torch.tanh(scores / cap) if cap else scores
+        expected.append((F.softmax(scores, -1) @ values).reshape(kv_heads * group, head_dim))
+    return [q, k, v, table], out, torch.stack(expected)
+
+
+@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
+@pytest.mark.parametrize(("window", "cap"), [(0, 0.0), (0, 0.5), (40, 0.0)])
+def test_decodes_sharing_a_prefix_match_naive_attention(amx_path: bool, window: int, cap: float) -> None:
+    """On the tile unit, decodes that share a prefix attend to it together, then to their own keys, and
+    the two parts merge (cascade attention); off it, or with a window, each decode reads its context."""
+    _, out, expected = _shared_prefix_decodes(window, cap)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("amx_path", [True], indirect=True)
+def test_only_decodes_sharing_enough_take_the_shared_pass(amx_path: bool) -> None:
+    """The five decodes over 8 shared blocks go through the shared pass (their bits differ from the
+    fp32 path's); the three over 5 blocks, too few, and the lone one do not (the same bits)."""
+    _, on, _ = _shared_prefix_decodes(0, 0.0)
+    cpu_ops().use_amx(False)
+    _, off, _ = _shared_prefix_decodes(0, 0.0)
+    assert all(not torch.equal(on[i], off[i]) for i in range(5))
+    assert torch.equal(on[5:], off[5:])
+
+
 def test_torch_path_agrees_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernel cannot run (no AVX-512, no compiler) the backend's torch ops give the same answer."""
     batch = random_paged_batch([(50, 1), (0, 4), (17, 1)], 9, 3, 64, 16, seed=2)

@@ -22,9 +22,13 @@
 #include "amx.h"
 #include "vec.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512bf16")
@@ -97,16 +101,37 @@ void AmxPrefill::attend(const at::BFloat16* q, int64_t rows, int64_t first_len, 
     // on its own row alone, and those rows' outputs are never stored.
     for (int64_t i = 0; i < rows; ++i) std::memcpy(q_.data() + i * dim, q + i * s_.q_stride + g * dim, dim * 2);
     score(p.keys.data() + (first - p.base) * dim / 2, width);
-    float inverse[kAmxRows];
-    for (int64_t i = 0; i < rows; ++i) inverse[i] = 1.0f / exponentials(i, first_len + i, first, width);
+    float inverse[kAmxRows], max;
+    for (int64_t i = 0; i < rows; ++i) inverse[i] = 1.0f / exponentials(i, first_len + i, first, width, &max);
     float* head_out = out + g * dim;
-    weigh(p.values.data() + (first - p.base) * dim, width, head_out);
+    weigh(p.values.data() + (first - p.base) * dim, width, head_out, s_.group * dim);
     for (int64_t i = 0; i < rows; ++i) {
       float* row = head_out + i * s_.group * dim;
       const __m512 v = _mm512_set1_ps(inverse[i]);
       for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), v));
     }
   }
+}
+
+void AmxPrefill::attend_shared(const at::BFloat16* const* queries, int64_t n, int64_t shared, int64_t id,
+                               int64_t head, const at::BFloat16* keys, const at::BFloat16* values,
+                               const int64_t* blocks, float* const* outs, float* max, float* sum) {
+  if (!configured_) {
+    configure_tiles();
+    configured_ = true;
+  }
+  const int64_t dim = s_.chunks * 16, width = round_up(shared);
+  Packed& p = packed_[head];
+  ensure(p, id, 0, shared, keys, values, blocks);
+  stride_ = width + kChunk;
+  scores_.resize(kAmxRows * stride_);
+  probs_.resize(kAmxRows * stride_);
+  sums_.resize(kAmxRows * dim);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(q_.data() + i * dim, queries[i], dim * 2);
+  score(p.keys.data(), width);
+  for (int64_t i = 0; i < n; ++i) sum[i] = exponentials(i, shared, 0, width, &max[i]);
+  weigh(p.values.data(), width, sums_.data(), dim);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(outs[i], sums_.data() + i * dim, dim * sizeof(float));
 }
 
 // Keys and values [first, end) of the request packed in p, from what it holds already where it can.
@@ -185,9 +210,9 @@ void AmxPrefill::score(const uint32_t* keys, int64_t width) {
 }
 
 // Row `row`'s exponentials into probs_ (bf16; zero outside its keys [begin(len), len), relative to
-// `first`), and their sum. Keys go in groups of 16 aligned to the request's first key, so that the
+// `first`), and their sum; its largest scaled score to *max. Keys go in groups of 16 aligned to the request's first key, so that the
 // sum's lanes see the same keys whichever tile the row is in.
-float AmxPrefill::exponentials(int64_t row, int64_t len, int64_t first, int64_t width) {
+float AmxPrefill::exponentials(int64_t row, int64_t len, int64_t first, int64_t width, float* max) {
   float* x = scores_.data() + row * stride_;
   uint16_t* out = probs_.data() + row * stride_;
   const int64_t lo = s_.begin(len) - first, hi = len - first, start = lo / 16 * 16;
@@ -202,8 +227,9 @@ float AmxPrefill::exponentials(int64_t row, int64_t len, int64_t first, int64_t 
   __m512 top = _mm512_set1_ps(-INFINITY);
   for (int64_t k = start; k < hi; k += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, keys(k), x + k));
   // e^(scale * (x - max)) = 2^(x * scale * log2(e) - max * scale * log2(e))
-  const float scale2 = scale * 1.44269504088896341f;
-  const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scale2);
+  const float scale2 = scale * 1.44269504088896341f, top_score = _mm512_reduce_max_ps(top);
+  const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(top_score * scale2);
+  *max = top_score * scale;
   std::fill(out, out + start, uint16_t{0});
   __m512 sum = _mm512_setzero_ps();
   int64_t k = start;
@@ -217,9 +243,9 @@ float AmxPrefill::exponentials(int64_t row, int64_t len, int64_t first, int64_t 
   return _mm512_reduce_add_ps(sum);
 }
 
-// out [16][group][dim] (this head's columns) = probs_ V over the packed values from the tile's first.
-void AmxPrefill::weigh(const uint16_t* values, int64_t width, float* out) {
-  const int64_t dim = s_.chunks * 16, stride = s_.group * dim * 4;
+// out [16][dim] (rows `out_stride` floats apart) = probs_ V over the packed values from the tile's first.
+void AmxPrefill::weigh(const uint16_t* values, int64_t width, float* out, int64_t out_stride) {
+  const int64_t dim = s_.chunks * 16, stride = out_stride * 4;
   constexpr int64_t kGroup = 16 * 32;  // one B tile: 16 key pairs x 16 dims x 2
   for (int64_t g = 0; g < dim / 16; g += 4) {  // 2 or 4 tiles of 16 dims at a time (dim: a multiple of 32)
     const bool four = g + 4 <= dim / 16;
@@ -248,6 +274,94 @@ void AmxPrefill::weigh(const uint16_t* values, int64_t width, float* out) {
       _tile_stored(3, out + 16 * g + 48, stride);
     }
   }
+}
+
+namespace {
+
+constexpr int64_t kCascadeRows = 4;   // rows sharing a prefix, at least, for it to be attended once
+constexpr int64_t kCascadeKeys = 64;  // keys they share, at least
+
+struct Cascade {
+  std::vector<int64_t> rows;
+  int64_t keys;  // [0, keys): whole blocks every row shares, and before each row's last key
+};
+
+std::vector<Cascade> cascades_of(const Shape& s, const int64_t* table, const int64_t* requests, const int64_t* lens,
+                                 const std::vector<int64_t>& decode_rows) {
+  std::map<int64_t, std::vector<int64_t>> by_first_block;
+  for (const int64_t r : decode_rows) {
+    if (lens[r] > kCascadeKeys) by_first_block[table[requests[r] * s.max_blocks]].push_back(r);
+  }
+  std::vector<Cascade> cascades;
+  for (auto& [block, rows] : by_first_block) {
+    if (static_cast<int64_t>(rows.size()) < kCascadeRows) continue;
+    int64_t limit = INT64_MAX;  // blocks each row sees whole, its own current key left after them
+    for (const int64_t r : rows) limit = std::min(limit, (lens[r] - 1) / s.block_size);
+    const int64_t* lead = table + requests[rows[0]] * s.max_blocks;
+    int64_t common = 0;
+    auto shared = [&](int64_t b) {
+      return std::all_of(rows.begin(), rows.end(), [&](int64_t r) { return table[requests[r] * s.max_blocks + b] == lead[b]; });
+    };
+    while (common < limit && shared(common)) ++common;
+    if (common * s.block_size >= kCascadeKeys) cascades.push_back({std::move(rows), common * s.block_size});
+  }
+  return cascades;
+}
+
+}  // namespace
+
+SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, const at::BFloat16* k_cache,
+                                      const at::BFloat16* v_cache, int64_t num_kv_heads, int64_t num_rows,
+                                      const int64_t* table, const int64_t* requests, const int64_t* lens,
+                                      const std::vector<int64_t>& decode_rows) {
+  SharedPrefixes shared;
+  const std::vector<Cascade> cascades = cascades_of(s, table, requests, lens, decode_rows);
+  if (cascades.empty()) return shared;
+  const int64_t dim = s.chunks * 16, heads = num_kv_heads * s.group;
+  shared.keys.assign(num_rows, 0);
+  shared.slot.assign(num_rows, -1);
+  struct Task {
+    int64_t cascade, head, first;  // queries [first, first + 16) of the cascade's rows x group heads
+  };
+  std::vector<Task> tasks;
+  int64_t slots = 0;
+  for (size_t c = 0; c < cascades.size(); ++c) {
+    for (const int64_t r : cascades[c].rows) {
+      shared.keys[r] = cascades[c].keys;
+      shared.slot[r] = slots++;
+    }
+    const int64_t queries = static_cast<int64_t>(cascades[c].rows.size()) * s.group;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t first = 0; first < queries; first += kAmxRows) tasks.push_back({static_cast<int64_t>(c), h, first});
+    }
+  }
+  shared.out.resize(slots * heads * dim);
+  shared.max.resize(slots * heads);
+  shared.sum.resize(slots * heads);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    AmxPrefill unit(s, num_kv_heads);
+    for (int64_t t = begin; t < end; ++t) {
+      const Task task = tasks[t];
+      const Cascade& c = cascades[task.cascade];
+      const int64_t n = std::min(kAmxRows, static_cast<int64_t>(c.rows.size()) * s.group - task.first);
+      const at::BFloat16* queries[kAmxRows];
+      float* outs[kAmxRows];
+      float max[kAmxRows], sum[kAmxRows];
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = c.rows[(task.first + i) / s.group], head = task.head * s.group + (task.first + i) % s.group;
+        queries[i] = q + row * s.q_stride + head * dim;
+        outs[i] = shared.out.data() + (shared.slot[row] * heads + head) * dim;
+      }
+      unit.attend_shared(queries, n, c.keys, task.cascade, task.head, k_cache + task.head * s.head_stride,
+                         v_cache + task.head * s.head_stride, table + requests[c.rows[0]] * s.max_blocks, outs, max, sum);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = c.rows[(task.first + i) / s.group], head = task.head * s.group + (task.first + i) % s.group;
+        shared.max[shared.slot[row] * heads + head] = max[i];
+        shared.sum[shared.slot[row] * heads + head] = sum[i];
+      }
+    }
+  });
+  return shared;
 }
 
 }  // namespace cadence

@@ -108,14 +108,21 @@ void soft_cap(float* row, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) row[i] = cap * std::tanh(row[i] / cap);
 }
 
-// Softmax of one row in place; returns nothing, the row then sums to 1.
-void softmax(float* row, int64_t n) {
+// The largest of a row's scores and the sum of their exponentials, which softmax() divides by.
+struct Normalizer {
+  float max;
+  float sum;
+};
+
+// Softmax of one row in place: the row then sums to 1.
+Normalizer softmax(float* row, int64_t n) {
   const int64_t full = n / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1u);
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < full; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + i));
   if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, row + full));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  const float top = _mm512_reduce_max_ps(vmax);
+  const __m512 m = _mm512_set1_ps(top);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t i = 0; i < full; i += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), m));
@@ -127,9 +134,25 @@ void softmax(float* row, int64_t n) {
     _mm512_mask_storeu_ps(row + full, tail, e);
     vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+  const float sum = _mm512_reduce_add_ps(vsum);
+  const __m512 inv = _mm512_set1_ps(1.0f / sum);
   for (int64_t i = 0; i < full; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), inv));
   if (tail) _mm512_mask_storeu_ps(row + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + full), inv));
+  return {top, sum};
+}
+
+// A decode's attention to its own keys (acc, normalized, with its normalizer) and to the keys it shares
+// with other decodes (SharedPrefixes: unnormalized sums `shared`, and theirs), merged into acc: each
+// part's weight is its sum of exponentials, rescaled to the larger of the two maxima.
+void merge(float* acc, int64_t dim, Normalizer own, const float* shared, Normalizer prefix) {
+  const float top = std::max(own.max, prefix.max);
+  const float a = std::exp(prefix.max - top), b = own.sum * std::exp(own.max - top);
+  const float inv = 1.0f / (prefix.sum * a + b);
+  const __m512 va = _mm512_set1_ps(a * inv), vb = _mm512_set1_ps(b * inv);
+  for (int64_t d = 0; d < dim; d += 16) {
+    _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_mul_ps(va, _mm512_loadu_ps(shared + d)),
+                                            _mm512_mul_ps(vb, _mm512_loadu_ps(acc + d))));
+  }
 }
 
 // out[g] = sum_t probs[g][t] * v[t] for the `group` rows, accumulated in fp32. The block walk repeats
@@ -200,13 +223,14 @@ std::vector<Tile> tiles_of(const int64_t* requests, const int64_t* lens, int64_t
 // parallel_for alone splits the tasks by count, so a decode over a long context beside short ones
 // left one thread most of the step: serving's contexts are heavy-tailed (a batch of 2,000 + 3 x 200
 // keys took 1.7x the time of 4 x 650 over 30 layers on the 2-core AVX2 machine; now about the same).
-std::vector<int64_t> shares_of(const std::vector<Tile>& tiles, const int64_t* lens, const Shape s,
-                               int64_t num_kv_heads, int64_t parts) {
+// `skip`: per row, keys attended already (SharedPrefixes), or empty.
+std::vector<int64_t> shares_of(const std::vector<Tile>& tiles, const int64_t* lens, const std::vector<int64_t>& skip,
+                               const Shape s, int64_t num_kv_heads, int64_t parts) {
   std::vector<int64_t> work(tiles.size());
   int64_t total = 0;
   for (size_t i = 0; i < tiles.size(); ++i) {
-    const int64_t last = lens[tiles[i].first + tiles[i].count - 1];
-    work[i] = tiles[i].count * (last - s.begin(last));
+    const int64_t row = tiles[i].first + tiles[i].count - 1, last = lens[row];
+    work[i] = tiles[i].count * (last - std::max(s.begin(last), skip.empty() ? 0 : skip[row]));
     total += work[i] * num_kv_heads;
   }
   std::vector<int64_t> bounds(parts + 1, static_cast<int64_t>(tiles.size()) * num_kv_heads);
@@ -359,9 +383,22 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
   const std::vector<Tile> tiles = tiles_of(requests, lens, num_rows);
   // A bf16 cache's prefill tiles go to the tile unit where the CPU has one (attention_amx.cpp).
   const bool amx = std::is_same_v<T, at::BFloat16> && dim % 32 == 0 && use_amx();
+  SharedPrefixes shared;  // and decodes that share their first keys attend to those together first
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (amx && s.window == 0) {
+      std::vector<int64_t> decodes;
+      for (const Tile& tile : tiles) {
+        if (tile.count == 1) decodes.push_back(tile.first);
+      }
+      shared = attend_shared_prefixes(s, q_ptr, k_ptr, v_ptr, num_kv_heads, num_rows, table, requests, lens, decodes);
+    }
+  }
+#endif
   auto attend_tasks = [&](int64_t begin, int64_t end) {
     if (begin == end) return;
     Scratch w(s, longest);
+    std::vector<Normalizer> own(s.group);  // a decode's heads' normalizers
 #if defined(__AVX512F__)
     std::optional<AmxPrefill> unit;  // made at this share's first prefill tile, if it has one
 #endif
@@ -392,25 +429,32 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
         if (task + 1 < end) {
           const Tile nt = tiles[(task + 1) / num_kv_heads];
           const int64_t nh = (task + 1) % num_kv_heads, next_len = lens[nt.first];
-          const int64_t next_first = s.begin(next_len) / s.block_size;
+          const int64_t next_first = (shared.empty() ? s.begin(next_len) : shared.keys[nt.first]) / s.block_size;
           next = {k_ptr + nh * s.head_stride, v_ptr + nh * s.head_stride,
                   table + requests[nt.first] * s.max_blocks + next_first,
                   (next_len + s.block_size - 1) / s.block_size - next_first};
         }
-        const int64_t begin = s.begin(len);
+        const int64_t begin = shared.empty() ? s.begin(len) : shared.keys[tile.first];  // window 0 with shared
         score(s, w.q, k_ptr + head * s.head_stride, blocks, begin, len, w.scores, next);
         for (int64_t g = 0; g < s.group; ++g) {
           if (s.soft_cap > 0) soft_cap(w.scores + g * len + begin, len - begin, s.soft_cap);
-          softmax(w.scores + g * len + begin, len - begin);
+          own[g] = softmax(w.scores + g * len + begin, len - begin);
         }
         weigh(s, w.scores, v_ptr + head * s.head_stride, blocks, begin, len, w.acc);
+        if (!shared.empty() && shared.slot[tile.first] >= 0) {
+          const int64_t first = shared.slot[tile.first] * heads + head * s.group;
+          for (int64_t g = 0; g < s.group; ++g) {
+            merge(w.acc + g * dim, dim, own[g], shared.out.data() + (first + g) * dim,
+                  {shared.max[first + g], shared.sum[first + g]});
+          }
+        }
       } else {
         attend_tile(s, w, tile.count, len, k_ptr + head * s.head_stride, v_ptr + head * s.head_stride, blocks);
       }
       store_tile(s, out_ptr + (tile.first * heads + head * s.group) * dim, heads * dim, tile.count, w.acc);
     }
   };
-  const std::vector<int64_t> shares = shares_of(tiles, lens, s, num_kv_heads, at::get_num_threads());
+  const std::vector<int64_t> shares = shares_of(tiles, lens, shared.keys, s, num_kv_heads, at::get_num_threads());
   at::parallel_for(0, static_cast<int64_t>(shares.size()) - 1, 1, [&](int64_t first_share, int64_t last_share) {
     for (int64_t share = first_share; share < last_share; ++share) attend_tasks(shares[share], shares[share + 1]);
   });

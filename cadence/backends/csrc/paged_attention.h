@@ -26,6 +26,27 @@ struct Shape {
   int64_t begin(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
 };
 
+// Decode rows whose requests begin with the same blocks (a system prompt shared through the prefix
+// cache): their shared keys attended once for all of them, as one batch of queries on the tile unit,
+// the first part of cascade attention; paged_attention.cpp attends each row's own keys after them and
+// merges the two parts by their maxima and sums.
+struct SharedPrefixes {
+  std::vector<int64_t> keys;  // per row of the call: keys [0, keys) were attended here (0: none)
+  std::vector<int64_t> slot;  // per row of the call: its place in the results below, or -1
+  std::vector<float> out;     // [slots][heads][head_dim]: each query's exponentials times values, unnormalized
+  std::vector<float> max;     // [slots][heads]: each query's largest scaled score
+  std::vector<float> sum;     // [slots][heads]: the sum of its exponentials
+
+  bool empty() const { return slot.empty(); }
+};
+
+// SharedPrefixes of `decode_rows` (rows of one query each) over a bf16 cache, for a call without a
+// sliding window, on the tile unit: groups of at least 4 rows sharing at least 64 keys.
+SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, const at::BFloat16* k_cache,
+                                      const at::BFloat16* v_cache, int64_t num_kv_heads, int64_t num_rows,
+                                      const int64_t* table, const int64_t* requests, const int64_t* lens,
+                                      const std::vector<int64_t>& decode_rows);
+
 // One thread's prefill tiles on the AMX tile unit, over a bf16 cache whose head_dim is a multiple of
 // 32, for one paged_attention call (the caches' contents are the call's). It keeps, for each KV head,
 // the keys and values of the request it last attended, repacked as tile operands, and grows them as
@@ -44,6 +65,14 @@ class AmxPrefill {
   void attend(const at::BFloat16* q, int64_t rows, int64_t first_len, int64_t request, int64_t head,
               const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks, float* out);
 
+  // Up to 16 queries (rows of head_dim bf16, from anywhere) that all see keys [0, shared) through
+  // `blocks` (`id` names that prefix among this thread's calls, as `request` does above), against KV head
+  // `head`: each query's unnormalized output to outs[i] (head_dim fp32), its largest scaled score to
+  // max[i], the sum of its exponentials to sum[i].
+  void attend_shared(const at::BFloat16* const* queries, int64_t n, int64_t shared, int64_t id, int64_t head,
+                     const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks,
+                     float* const* outs, float* max, float* sum);
+
  private:
   struct Packed {
     int64_t request = -1;
@@ -58,8 +87,8 @@ class AmxPrefill {
   void pack_keys(Packed& p, int64_t first, int64_t end, const at::BFloat16* keys, const int64_t* blocks) const;
   void pack_values(Packed& p, int64_t first, int64_t end, const at::BFloat16* values, const int64_t* blocks) const;
   void score(const uint32_t* keys, int64_t width);
-  float exponentials(int64_t row, int64_t len, int64_t first, int64_t width);
-  void weigh(const uint16_t* values, int64_t width, float* out);
+  float exponentials(int64_t row, int64_t len, int64_t first, int64_t width, float* max);
+  void weigh(const uint16_t* values, int64_t width, float* out, int64_t out_stride);
 
   const Shape s_;
   std::vector<Packed> packed_;  // per KV head
@@ -67,6 +96,7 @@ class AmxPrefill {
   int64_t stride_ = 0;          // elements between the rows of scores_ and probs_ for this tile
   std::vector<float> scores_;   // [16][stride_]: the tile's keys from its first
   std::vector<uint16_t> probs_;  // [16][stride_]: the exponentials, bf16, zero outside each row's keys
+  std::vector<float> sums_;      // [16][head_dim]: attend_shared's outputs before they go to their rows
   bool configured_ = false;
 };
 
