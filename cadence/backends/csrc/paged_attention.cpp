@@ -14,7 +14,9 @@
 //   transposed once so that a query's 16 scores are head_dim FMAs, and each value chunk serves every
 //   query of the tile (compute-bound);
 // - with a bf16 cache on a CPU with AMX, a tile of 4 rows or more goes to the tile unit instead
-//   (attention_amx.cpp: AmxPrefill), 4-6x faster on long prompts.
+//   (attention_amx.cpp: AmxPrefill), 4-6x faster on long prompts; and decodes that share their first
+//   blocks attend to those together there first (attend_shared_prefixes), then each to its own keys
+//   here, the two parts merged (cascade attention).
 // Built on first use by cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
 
 #include <ATen/Parallel.h>
