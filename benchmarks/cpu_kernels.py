@@ -9,6 +9,9 @@
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
 - prefill attention: one 2,048-token prompt (and a 512-token chunk after 1,536 cached tokens), one
   layer, against torch's causal SDPA over the same keys gathered into contiguous tensors.
+- decodes over a shared prefix: 32 decodes over 1,150 keys each, 30 layers, the first 1,024 keys in
+  blocks all 32 share (a system prompt in the prefix cache: cascade attention where the CPU has AMX)
+  or in blocks of their own.
 
 Prints milliseconds (the median of the repeats), GFLOP/s for the GEMMs, and cadence's speed-up.
 Needs a CPU with AVX-512 (the GEMM also AVX512-BF16). A benchmark, never a test.
@@ -132,6 +135,29 @@ def bench_prefill_attention(ops: Any, repeats: int) -> None:
               f"torch SDPA {theirs:.2f} ms  {theirs / ours:.2f}x")
 
 
+def bench_shared_prefix_decodes(ops: Any, repeats: int) -> None:
+    kv_heads, group, head_dim, block_size, requests, context, prefix = 3, 3, 64, 16, 32, 1150, 1024
+    per_request = -(-context // block_size)
+    q = torch.randn(requests, kv_heads * group, head_dim, dtype=torch.bfloat16)
+    out, rows, seq_lens = torch.empty_like(q), torch.arange(requests), torch.full((requests,), context)
+    times = {}
+    for shared in (True, False):
+        prefix_blocks = prefix // block_size if shared else 0
+        own = per_request - prefix_blocks
+        caches = [tuple(torch.randn(kv_heads, prefix_blocks + requests * own, block_size, head_dim,
+                                    dtype=torch.bfloat16) for _ in "kv") for _ in range(LAYERS)]
+        table = torch.cat([torch.arange(prefix_blocks).expand(requests, -1),
+                           prefix_blocks + torch.arange(requests * own).view(requests, own)], dim=1)
+
+        def step(table: torch.Tensor = table, caches: list[tuple[torch.Tensor, ...]] = caches) -> None:
+            for k, v in caches:
+                ops.paged_attention(out, q, k, v, table, rows, seq_lens, head_dim ** -0.5, 0, 0.0)
+
+        times[shared] = median_ms(step, repeats)
+    print(f"  {requests} decodes over {context} keys, the first {prefix} in shared blocks: {times[True]:.2f} ms "
+          f"per 30 layers; in blocks of their own: {times[False]:.2f} ms ({times[False] / times[True]:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-threads", type=int, default=2)
@@ -151,6 +177,7 @@ def main() -> None:
     bench_argmax(ops, ns.repeats)
     bench_attention(ops, ns.repeats)
     bench_prefill_attention(ops, ns.repeats)
+    bench_shared_prefix_decodes(ops, ns.repeats)
 
 
 if __name__ == "__main__":
