@@ -346,18 +346,19 @@ SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, con
       const int64_t n = std::min(kAmxRows, static_cast<int64_t>(c.rows.size()) * s.group - task.first);
       const at::BFloat16* queries[kAmxRows];
       float* outs[kAmxRows];
+      int64_t results[kAmxRows];  // each query's place: [slot][head]
       float max[kAmxRows], sum[kAmxRows];
       for (int64_t i = 0; i < n; ++i) {
         const int64_t row = c.rows[(task.first + i) / s.group], head = task.head * s.group + (task.first + i) % s.group;
         queries[i] = q + row * s.q_stride + head * dim;
-        outs[i] = shared.out.data() + (shared.slot[row] * heads + head) * dim;
+        results[i] = shared.slot[row] * heads + head;
+        outs[i] = shared.out.data() + results[i] * dim;
       }
       unit.attend_shared(queries, n, c.keys, task.cascade, task.head, k_cache + task.head * s.head_stride,
                          v_cache + task.head * s.head_stride, table + requests[c.rows[0]] * s.max_blocks, outs, max, sum);
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t row = c.rows[(task.first + i) / s.group], head = task.head * s.group + (task.first + i) % s.group;
-        shared.max[shared.slot[row] * heads + head] = max[i];
-        shared.sum[shared.slot[row] * heads + head] = sum[i];
+        shared.max[results[i]] = max[i];
+        shared.sum[results[i]] = sum[i];
       }
     }
   });
