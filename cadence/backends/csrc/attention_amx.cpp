@@ -13,6 +13,9 @@
 // Keys are walked in 32-key chunks aligned to the request's first key, whatever the tile, so a row's
 // sums are the same sequence of tile steps in any batch. P in bf16 is what flash attention on tiles
 // does too; the fp32 path keeps probabilities in fp32 (the two differ by about 2^-9 relative).
+// attend_shared_prefixes (below) runs the same steps for decodes that share their first blocks: their
+// queries together over the shared keys, unnormalized, for paged_attention.cpp to merge with each
+// decode's own keys (cascade attention).
 // Built with the other kernels by cadence/backends/cpu_kernels.py; not at all in their AVX2 build.
 
 #include "paged_attention.h"
@@ -83,26 +86,18 @@ AmxPrefill::~AmxPrefill() {
 
 void AmxPrefill::attend(const at::BFloat16* q, int64_t rows, int64_t first_len, int64_t request, int64_t head,
                         const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks, float* out) {
-  if (!configured_) {  // here rather than at construction: most calls' threads never get a prefill tile
-    configure_tiles();
-    configured_ = true;
-  }
   const int64_t dim = s_.chunks * 16, last_len = first_len + rows - 1;
   const int64_t first = round_down(s_.begin(first_len)), width = round_up(last_len) - first;
   Packed& p = packed_[head];
   ensure(p, request, first, last_len, keys, values, blocks);
-  // Rows one 32-key chunk longer than the keys: a power-of-two row length put the 16 rows of a tile
-  // in one L1 set (the scores took twice the time).
-  stride_ = width + kChunk;
-  scores_.resize(kAmxRows * stride_);
-  probs_.resize(kAmxRows * stride_);
+  prepare(width);
   for (int64_t g = 0; g < s_.group; ++g) {
     // The head's rows as the A tiles; rows past the tile's keep what they held: a row of sums depends
     // on its own row alone, and those rows' outputs are never stored.
     for (int64_t i = 0; i < rows; ++i) std::memcpy(q_.data() + i * dim, q + i * s_.q_stride + g * dim, dim * 2);
     score(p.keys.data() + (first - p.base) * dim / 2, width);
-    float inverse[kAmxRows], max;
-    for (int64_t i = 0; i < rows; ++i) inverse[i] = 1.0f / exponentials(i, first_len + i, first, width, &max);
+    float inverse[kAmxRows];
+    for (int64_t i = 0; i < rows; ++i) inverse[i] = 1.0f / exponentials(i, first_len + i, first, width).sum;
     float* head_out = out + g * dim;
     weigh(p.values.data() + (first - p.base) * dim, width, head_out, s_.group * dim);
     for (int64_t i = 0; i < rows; ++i) {
@@ -115,23 +110,31 @@ void AmxPrefill::attend(const at::BFloat16* q, int64_t rows, int64_t first_len, 
 
 void AmxPrefill::attend_shared(const at::BFloat16* const* queries, int64_t n, int64_t shared, int64_t id,
                                int64_t head, const at::BFloat16* keys, const at::BFloat16* values,
-                               const int64_t* blocks, float* const* outs, float* max, float* sum) {
+                               const int64_t* blocks, float* const* outs, Normalizer* norms) {
+  const int64_t dim = s_.chunks * 16, width = round_up(shared);
+  Packed& p = packed_[head];
+  ensure(p, id, 0, shared, keys, values, blocks);
+  prepare(width);
+  sums_.resize(kAmxRows * dim);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(q_.data() + i * dim, queries[i], dim * 2);
+  score(p.keys.data(), width);
+  for (int64_t i = 0; i < n; ++i) norms[i] = exponentials(i, shared, 0, width);
+  weigh(p.values.data(), width, sums_.data(), dim);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(outs[i], sums_.data() + i * dim, dim * sizeof(float));
+}
+
+// The tiles configured (at this thread's first tile: most calls' threads never get one), and the
+// scores and exponentials sized for a tile over `width` keys.
+void AmxPrefill::prepare(int64_t width) {
   if (!configured_) {
     configure_tiles();
     configured_ = true;
   }
-  const int64_t dim = s_.chunks * 16, width = round_up(shared);
-  Packed& p = packed_[head];
-  ensure(p, id, 0, shared, keys, values, blocks);
+  // Rows one 32-key chunk longer than the keys: a power-of-two row length put the 16 rows of a tile
+  // in one L1 set (the scores took twice the time).
   stride_ = width + kChunk;
   scores_.resize(kAmxRows * stride_);
   probs_.resize(kAmxRows * stride_);
-  sums_.resize(kAmxRows * dim);
-  for (int64_t i = 0; i < n; ++i) std::memcpy(q_.data() + i * dim, queries[i], dim * 2);
-  score(p.keys.data(), width);
-  for (int64_t i = 0; i < n; ++i) sum[i] = exponentials(i, shared, 0, width, &max[i]);
-  weigh(p.values.data(), width, sums_.data(), dim);
-  for (int64_t i = 0; i < n; ++i) std::memcpy(outs[i], sums_.data() + i * dim, dim * sizeof(float));
 }
 
 // Keys and values [first, end) of the request packed in p, from what it holds already where it can.
@@ -210,9 +213,9 @@ void AmxPrefill::score(const uint32_t* keys, int64_t width) {
 }
 
 // Row `row`'s exponentials into probs_ (bf16; zero outside its keys [begin(len), len), relative to
-// `first`), and their sum; its largest scaled score to *max. Keys go in groups of 16 aligned to the request's first key, so that the
-// sum's lanes see the same keys whichever tile the row is in.
-float AmxPrefill::exponentials(int64_t row, int64_t len, int64_t first, int64_t width, float* max) {
+// `first`), and their normalizer. Keys go in groups of 16 aligned to the request's first key, so that
+// the sum's lanes see the same keys whichever tile the row is in.
+Normalizer AmxPrefill::exponentials(int64_t row, int64_t len, int64_t first, int64_t width) {
   float* x = scores_.data() + row * stride_;
   uint16_t* out = probs_.data() + row * stride_;
   const int64_t lo = s_.begin(len) - first, hi = len - first, start = lo / 16 * 16;
@@ -229,7 +232,6 @@ float AmxPrefill::exponentials(int64_t row, int64_t len, int64_t first, int64_t 
   // e^(scale * (x - max)) = 2^(x * scale * log2(e) - max * scale * log2(e))
   const float scale2 = scale * 1.44269504088896341f, top_score = _mm512_reduce_max_ps(top);
   const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(top_score * scale2);
-  *max = top_score * scale;
   std::fill(out, out + start, uint16_t{0});
   __m512 sum = _mm512_setzero_ps();
   int64_t k = start;
@@ -240,7 +242,7 @@ float AmxPrefill::exponentials(int64_t row, int64_t len, int64_t first, int64_t 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
   std::fill(out + k, out + width, uint16_t{0});
-  return _mm512_reduce_add_ps(sum);
+  return {top_score * scale, _mm512_reduce_add_ps(sum)};
 }
 
 // out [16][dim] (rows `out_stride` floats apart) = probs_ V over the packed values from the tile's first.
@@ -336,8 +338,7 @@ SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, con
     }
   }
   shared.out.resize(slots * heads * dim);
-  shared.max.resize(slots * heads);
-  shared.sum.resize(slots * heads);
+  shared.norms.resize(slots * heads);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     AmxPrefill unit(s, num_kv_heads);
     for (int64_t t = begin; t < end; ++t) {
@@ -346,8 +347,8 @@ SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, con
       const int64_t n = std::min(kAmxRows, static_cast<int64_t>(c.rows.size()) * s.group - task.first);
       const at::BFloat16* queries[kAmxRows];
       float* outs[kAmxRows];
+      Normalizer norms[kAmxRows];
       int64_t results[kAmxRows];  // each query's place: [slot][head]
-      float max[kAmxRows], sum[kAmxRows];
       for (int64_t i = 0; i < n; ++i) {
         const int64_t row = c.rows[(task.first + i) / s.group], head = task.head * s.group + (task.first + i) % s.group;
         queries[i] = q + row * s.q_stride + head * dim;
@@ -355,11 +356,8 @@ SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, con
         outs[i] = shared.out.data() + results[i] * dim;
       }
       unit.attend_shared(queries, n, c.keys, task.cascade, task.head, k_cache + task.head * s.head_stride,
-                         v_cache + task.head * s.head_stride, table + requests[c.rows[0]] * s.max_blocks, outs, max, sum);
-      for (int64_t i = 0; i < n; ++i) {
-        shared.max[results[i]] = max[i];
-        shared.sum[results[i]] = sum[i];
-      }
+                         v_cache + task.head * s.head_stride, table + requests[c.rows[0]] * s.max_blocks, outs, norms);
+      for (int64_t i = 0; i < n; ++i) shared.norms[results[i]] = norms[i];
     }
   });
   return shared;

@@ -110,12 +110,6 @@ void soft_cap(float* row, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) row[i] = cap * std::tanh(row[i] / cap);
 }
 
-// The largest of a row's scores and the sum of their exponentials, which softmax() divides by.
-struct Normalizer {
-  float max;
-  float sum;
-};
-
 // Softmax of one row in place: the row then sums to 1.
 Normalizer softmax(float* row, int64_t n) {
   const int64_t full = n / 16 * 16;
@@ -405,6 +399,9 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
     std::optional<AmxPrefill> unit;  // made at this share's first prefill tile, if it has one
 #endif
     const __m512 scale = _mm512_set1_ps(s.scale);
+    // The first key a decode reads here: past those it shares with other decodes, if any (SharedPrefixes
+    // exist only without a window).
+    auto first_key = [&](int64_t row) { return shared.empty() ? s.begin(lens[row]) : shared.keys[row]; };
     for (int64_t task = begin; task < end; ++task) {
       const Tile tile = tiles[task / num_kv_heads];
       const int64_t head = task % num_kv_heads, len = lens[tile.first];
@@ -431,12 +428,12 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
         if (task + 1 < end) {
           const Tile nt = tiles[(task + 1) / num_kv_heads];
           const int64_t nh = (task + 1) % num_kv_heads, next_len = lens[nt.first];
-          const int64_t next_first = (shared.empty() ? s.begin(next_len) : shared.keys[nt.first]) / s.block_size;
+          const int64_t next_first = first_key(nt.first) / s.block_size;
           next = {k_ptr + nh * s.head_stride, v_ptr + nh * s.head_stride,
                   table + requests[nt.first] * s.max_blocks + next_first,
                   (next_len + s.block_size - 1) / s.block_size - next_first};
         }
-        const int64_t begin = shared.empty() ? s.begin(len) : shared.keys[tile.first];  // window 0 with shared
+        const int64_t begin = first_key(tile.first);
         score(s, w.q, k_ptr + head * s.head_stride, blocks, begin, len, w.scores, next);
         for (int64_t g = 0; g < s.group; ++g) {
           if (s.soft_cap > 0) soft_cap(w.scores + g * len + begin, len - begin, s.soft_cap);
@@ -446,8 +443,7 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
         if (!shared.empty() && shared.slot[tile.first] >= 0) {
           const int64_t first = shared.slot[tile.first] * heads + head * s.group;
           for (int64_t g = 0; g < s.group; ++g) {
-            merge(w.acc + g * dim, dim, own[g], shared.out.data() + (first + g) * dim,
-                  {shared.max[first + g], shared.sum[first + g]});
+            merge(w.acc + g * dim, dim, own[g], shared.out.data() + (first + g) * dim, shared.norms[first + g]);
           }
         }
       } else {

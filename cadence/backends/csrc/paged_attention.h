@@ -26,6 +26,13 @@ struct Shape {
   int64_t begin(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
 };
 
+// The largest of a row's scaled scores and the sum of their exponentials, shifted by it: what a
+// softmax divides by, and what two parts of one row's attention merge by.
+struct Normalizer {
+  float max;
+  float sum;
+};
+
 // Decode rows whose requests begin with the same blocks (a system prompt shared through the prefix
 // cache): their shared keys attended once for all of them, as one batch of queries on the tile unit,
 // the first part of cascade attention; paged_attention.cpp attends each row's own keys after them and
@@ -34,8 +41,7 @@ struct SharedPrefixes {
   std::vector<int64_t> keys;  // per row of the call: keys [0, keys) were attended here (0: none)
   std::vector<int64_t> slot;  // per row of the call: its place in the results below, or -1
   std::vector<float> out;     // [slots][heads][head_dim]: each query's exponentials times values, unnormalized
-  std::vector<float> max;     // [slots][heads]: each query's largest scaled score
-  std::vector<float> sum;     // [slots][heads]: the sum of its exponentials
+  std::vector<Normalizer> norms;  // [slots][heads]: each query's
 
   bool empty() const { return slot.empty(); }
 };
@@ -67,11 +73,10 @@ class AmxPrefill {
 
   // Up to 16 queries (rows of head_dim bf16, from anywhere) that all see keys [0, shared) through
   // `blocks` (`id` names that prefix among this thread's calls, as `request` does above), against KV head
-  // `head`: each query's unnormalized output to outs[i] (head_dim fp32), its largest scaled score to
-  // max[i], the sum of its exponentials to sum[i].
+  // `head`: each query's unnormalized output to outs[i] (head_dim fp32), its normalizer to norms[i].
   void attend_shared(const at::BFloat16* const* queries, int64_t n, int64_t shared, int64_t id, int64_t head,
                      const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks,
-                     float* const* outs, float* max, float* sum);
+                     float* const* outs, Normalizer* norms);
 
  private:
   struct Packed {
@@ -86,8 +91,9 @@ class AmxPrefill {
               const at::BFloat16* values, const int64_t* blocks) const;
   void pack_keys(Packed& p, int64_t first, int64_t end, const at::BFloat16* keys, const int64_t* blocks) const;
   void pack_values(Packed& p, int64_t first, int64_t end, const at::BFloat16* values, const int64_t* blocks) const;
+  void prepare(int64_t width);
   void score(const uint32_t* keys, int64_t width);
-  float exponentials(int64_t row, int64_t len, int64_t first, int64_t width, float* max);
+  Normalizer exponentials(int64_t row, int64_t len, int64_t first, int64_t width);
   void weigh(const uint16_t* values, int64_t width, float* out, int64_t out_stride);
 
   const Shape s_;
