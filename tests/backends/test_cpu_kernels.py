@@ -128,10 +128,10 @@ def test_a_rows_bits_do_not_depend_on_its_tile(amx_path: bool, window: int) -> N
     assert torch.equal(attend(0, rows), torch.cat([attend(0, 6), attend(6, rows)]))
 
 
-def _shared_prefix_decodes(window: int, cap: float) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def _shared_prefix_decodes(window: int, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Decodes whose requests share their first blocks, as a system prompt in the prefix cache leaves
     them: five over 8 blocks (one diverging after 6), three over 5 blocks (too few to share), one alone;
-    the kernel's arguments, its output, and naive fp32 attention's."""
+    the kernel's output and naive fp32 attention's."""
     kv_heads, group, head_dim, block_size = 3, 3, 64, 16
     gen = torch.Generator().manual_seed(11)
     k, v = (torch.randn(kv_heads, 80, block_size, head_dim, generator=gen).to(torch.bfloat16) for _ in "kv")
@@ -156,7 +156,7 @@ def _shared_prefix_decodes(window: int, cap: float) -> tuple[list[torch.Tensor],
         scores = q[i].float().view(kv_heads, group, head_dim) @ keys.transpose(1, 2) * head_dim ** -0.5
         scores = cap * torch.tanh(scores / cap) if cap else scores
         expected.append((F.softmax(scores, -1) @ values).reshape(kv_heads * group, head_dim))
-    return [q, k, v, table], out, torch.stack(expected)
+    return out, torch.stack(expected)
 
 
 @pytest.mark.parametrize("amx_path", [True, False], indirect=True)
@@ -164,7 +164,7 @@ def _shared_prefix_decodes(window: int, cap: float) -> tuple[list[torch.Tensor],
 def test_decodes_sharing_a_prefix_match_naive_attention(amx_path: bool, window: int, cap: float) -> None:
     """On the tile unit, decodes that share a prefix attend to it together, then to their own keys, and
     the two parts merge (cascade attention); off it, or with a window, each decode reads its context."""
-    _, out, expected = _shared_prefix_decodes(window, cap)
+    out, expected = _shared_prefix_decodes(window, cap)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
 
 
@@ -172,9 +172,9 @@ def test_decodes_sharing_a_prefix_match_naive_attention(amx_path: bool, window: 
 def test_only_decodes_sharing_enough_take_the_shared_pass(amx_path: bool) -> None:
     """The five decodes over 8 shared blocks go through the shared pass (their bits differ from the
     fp32 path's); the three over 5 blocks, too few, and the lone one do not (the same bits)."""
-    _, on, _ = _shared_prefix_decodes(0, 0.0)
+    on, _ = _shared_prefix_decodes(0, 0.0)
     cpu_ops().use_amx(False)
-    _, off, _ = _shared_prefix_decodes(0, 0.0)
+    off, _ = _shared_prefix_decodes(0, 0.0)
     assert all(not torch.equal(on[i], off[i]) for i in range(5))
     assert torch.equal(on[5:], off[5:])
 
