@@ -36,6 +36,8 @@ class KVCacheManager(PoolViews):
                                    pool=self._pool, group=g) for g, window in enumerate(windows)]
         self._block_size = block_size
         self._caching = enable_prefix_caching
+        # One group without a window: a running request's next tokens take :meth:`grow`'s path.
+        self._growable = len(self.groups) == 1 and self.groups[0].sliding_window is None
         # Running totals in tokens, for the prefix cache hit-rate metric.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -80,10 +82,11 @@ class KVCacheManager(PoolViews):
         """Hold slots in every group, all or nothing (see :meth:`KVAllocator.allocate`); each
         group's new block ids, or ``None`` when the pool is too small for all of them."""
         group = self.groups[0]
-        if (len(self.groups) == 1 and group.sliding_window is None and num_new_tokens >= 0
-                and len(computed_block_ids) in (0, 1) and not any(computed_block_ids)
-                and not num_computed_hit_tokens and group.holds(request.request_id)):
-            return self.grow(request, request.num_computed_tokens + num_new_tokens)  # the common case, unplanned
+        if (self._growable and num_new_tokens >= 0 and not num_computed_hit_tokens
+                and (not computed_block_ids or (len(computed_block_ids) == 1 and not computed_block_ids[0]))
+                and group.holds(request.request_id)):  # the common case, unplanned
+            new_ids = group.grow(request, request.num_computed_tokens + num_new_tokens)
+            return None if new_ids is None else [new_ids]
         hits = computed_block_ids or [()] * len(self.groups)
         if len(hits) != len(self.groups):
             raise ValueError(f"{len(hits)} lists of hit blocks for {len(self.groups)} KV cache groups")
@@ -98,7 +101,7 @@ class KVCacheManager(PoolViews):
     def grow(self, request: KVRequest, num_total_tokens: int) -> list[list[int]] | None:
         """:meth:`KVAllocator.grow`: :meth:`allocate` without hits, up to ``num_total_tokens``, of a
         request that holds blocks, in a manager of one group without a window."""
-        if len(self.groups) != 1 or self.groups[0].sliding_window is not None:
+        if not self._growable:
             raise ValueError("grow() is for one KV cache group without a sliding window")
         new_ids = self.groups[0].grow(request, num_total_tokens)
         return None if new_ids is None else [new_ids]

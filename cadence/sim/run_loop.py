@@ -39,6 +39,7 @@ from cadence.sim.step_noise import StepNoise
 from cadence.sim.workload import FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, RequestSpec
 
 StepHook = Callable[[Scheduler, SchedulerOutput], None]
+_DRAW_AHEAD = 1 << 16  # synthetic prompt tokens drawn at once
 
 
 class SimEngine:
@@ -199,6 +200,8 @@ class RunLoop:
         self.router = router
         self.clock = clock
         self.rng = np.random.default_rng(seed)
+        self._drawn = np.empty(0, dtype=np.int64)  # synthetic prompt tokens drawn ahead (_synthetic_prompt)
+        self._next_drawn = 0
         self.max_steps = max_steps
         # Doubles, not lists of floats: a million requests' tokens are a hundred million times.
         self.chunk_times: dict[str, array[float]] = {rid: array("d") for rid in self.ids}
@@ -304,7 +307,7 @@ class RunLoop:
         if spec.prompt_token_ids is not None:
             prompt = list(spec.prompt_token_ids)
         else:
-            prompt = self.rng.integers(FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, size=spec.prompt_tokens).tolist()
+            prompt = self._synthetic_prompt(spec.prompt_tokens)
         params = self._params.get(spec.output_tokens) if spec.extra_args is None else None
         if params is None:
             params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True,
@@ -313,6 +316,17 @@ class RunLoop:
                 self._params[spec.output_tokens] = params
         return Request(self.ids[index], prompt, params, eos_token_id=None, arrival_time=spec.arrival_time,
                        max_model_len=self.max_model_len, priority=spec.priority, user=spec.user)
+
+    def _synthetic_prompt(self, num: int) -> list[int]:
+        """``num`` random token ids, the ones a draw per prompt would give: the generator draws bounded
+        64-bit integers one after another whatever the calls (a draw per prompt cost as much as the
+        rest of the request's admission)."""
+        start, end = self._next_drawn, self._next_drawn + num
+        if end > len(self._drawn):
+            fresh = self.rng.integers(FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, size=max(num, _DRAW_AHEAD), dtype=np.int64)
+            self._drawn, start, end = np.concatenate((self._drawn[start:], fresh)), 0, num
+        self._next_drawn = end
+        return self._drawn[start:end].tolist()
 
     def records(self) -> list[RequestRecord]:
         return [

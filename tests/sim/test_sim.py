@@ -19,18 +19,21 @@ from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
 from cadence.messages import SchedulerOutput
 from cadence.policies.fcfs import FCFSPolicy
 from cadence.policies.loader import installed_policies
+from cadence.request import Request
 from cadence.sim import (
     CostModel,
     EngineLimits,
     RequestSpec,
     StepShape,
     fit_cost_model,
+    run_loop,
     simulate,
     synthetic_workload,
 )
 from cadence.sim.cli import register
 from cadence.sim.cost_store import FitKey
 from cadence.sim.report import format_table, plot, repeated
+from cadence.sim.workload import FIRST_ORDINARY_ID, SYNTHETIC_VOCAB
 
 SMALL = EngineLimits(num_kv_blocks=64, block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
 
@@ -48,6 +51,25 @@ def test_simulation_is_deterministic_for_a_seed() -> None:
     assert a.summary()["median_ttft_ms"] == b.summary()["median_ttft_ms"]
     c = simulate(_workload(seed=1), SMALL, "fcfs", CostModel.default(), seed=3)
     assert c.records != a.records
+
+
+def test_synthetic_prompts_are_the_seed_s_draws_one_prompt_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator draws prompt tokens ahead in blocks (here of 7, so that prompts straddle them):
+    the prompts are those a draw per prompt in arrival order gives."""
+    monkeypatch.setattr(run_loop, "_DRAW_AHEAD", 7)
+    prompts: dict[str, list[int]] = {}
+    add = Scheduler.add_request
+
+    def record(self: Scheduler, request: Request) -> None:
+        prompts[request.request_id] = list(request.prompt_token_ids)
+        add(self, request)
+
+    monkeypatch.setattr(Scheduler, "add_request", record)
+    workload = _workload(20)
+    simulate(workload, SMALL, "fcfs", CostModel.default(), seed=3)
+    rng = np.random.default_rng(3)
+    assert [prompts[str(i)] for i in range(len(workload))] == [
+        rng.integers(FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, size=spec.prompt_tokens).tolist() for spec in workload]
 
 
 def test_every_request_gets_its_tokens_and_every_step_keeps_the_limits() -> None:
