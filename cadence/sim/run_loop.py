@@ -319,8 +319,8 @@ class RunLoop:
 
     def _synthetic_prompt(self, num: int) -> list[int]:
         """``num`` random token ids, the ones a draw per prompt would give: the generator draws bounded
-        64-bit integers one after another whatever the calls (a draw per prompt cost as much as the
-        rest of the request's admission)."""
+        64-bit integers one after another whatever the calls (a call per prompt cost more than
+        building the rest of its request)."""
         start, end = self._next_drawn, self._next_drawn + num
         if end > len(self._drawn):
             fresh = self.rng.integers(FIRST_ORDINARY_ID, SYNTHETIC_VOCAB, size=max(num, _DRAW_AHEAD), dtype=np.int64)
