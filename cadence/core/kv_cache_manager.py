@@ -82,11 +82,9 @@ class KVCacheManager(PoolViews):
         """Hold slots in every group, all or nothing (see :meth:`KVAllocator.allocate`); each
         group's new block ids, or ``None`` when the pool is too small for all of them."""
         group = self.groups[0]
-        if (self._growable and num_new_tokens >= 0 and not num_computed_hit_tokens
-                and (not computed_block_ids or (len(computed_block_ids) == 1 and not computed_block_ids[0]))
-                and group.holds(request.request_id)):  # the common case, unplanned
-            new_ids = group.grow(request, request.num_computed_tokens + num_new_tokens)
-            return None if new_ids is None else [new_ids]
+        if (self._growable and num_new_tokens >= 0 and len(computed_block_ids) in (0, 1)
+                and not any(computed_block_ids) and not num_computed_hit_tokens and group.holds(request.request_id)):
+            return self.grow(request, request.num_computed_tokens + num_new_tokens)  # the common case, unplanned
         hits = computed_block_ids or [()] * len(self.groups)
         if len(hits) != len(self.groups):
             raise ValueError(f"{len(hits)} lists of hit blocks for {len(self.groups)} KV cache groups")
