@@ -62,9 +62,21 @@ def test_kernel_builds_where_the_cpu_has_avx512() -> None:
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_decodes_match_naive_attention(dtype: torch.dtype, atol: float, heads: int, kv_heads: int,
                                        head_dim: int, block_size: int) -> None:
+    """On whichever path the CPU takes; test_bf16_decodes_match_naive_attention runs both bf16 paths."""
     # contexts that end inside, at the end of, and just past a block and a 16-wide vector
     requests = [(0, 1), (14, 1), (15, 1), (16, 1), (31, 1), (99, 1)]
     _check(random_paged_batch(requests, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim), atol)
+
+
+@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256), (34, 2, 32)])
+@pytest.mark.parametrize("block_size", [16, 32, 5])
+def test_bf16_decodes_match_naive_attention(amx_path: bool, heads: int, kv_heads: int, head_dim: int,
+                                            block_size: int) -> None:
+    """bf16 decodes on the tile unit (blocks of a multiple of 16 keys, at most 16 query heads a KV head;
+    the others and the CPUs without tiles on the fp32 path) and off it."""
+    requests = [(0, 1), (14, 1), (15, 1), (16, 1), (31, 1), (32, 1), (47, 1), (99, 1), (300, 1)]
+    _check(random_paged_batch(requests, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim), 2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,17 +90,19 @@ def test_mixed_batch_matches_naive_attention(dtype: torch.dtype, head_dim: int, 
 
 
 @pytest.mark.parametrize("threads", [2, 3, 7])
-def test_any_split_between_threads_gives_the_same_bits(threads: int) -> None:
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_any_split_between_threads_gives_the_same_bits(threads: int, dtype: torch.dtype, atol: float) -> None:
     """The threads' shares follow the tasks' keys (one long context beside short ones, prefill tiles),
-    and each task is one thread's: every split computes the same bits, and matches naive attention."""
+    and each task is one thread's: every split computes the same bits, and matches naive attention (in
+    bf16, decodes and tiles take the tile unit where the CPU has it)."""
     requests = [(900, 1), (12, 1), (3, 1), (0, 40), (200, 1), (30, 1), (0, 1), (64, 17), (5, 1)]
-    batch = random_paged_batch(requests, 9, 3, 64, 16, torch.float32, seed=3)
+    batch = random_paged_batch(requests, 9, 3, 64, 16, dtype, seed=3)
     default = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = _check(batch, atol=1e-5)
+        alone = _check(batch, atol=atol)
         torch.set_num_threads(threads)
-        shared = _check(batch, atol=1e-5)
+        shared = _check(batch, atol=atol)
     finally:
         torch.set_num_threads(default)
     assert torch.equal(alone, shared)
@@ -128,10 +142,11 @@ def test_a_rows_bits_do_not_depend_on_its_tile(amx_path: bool, window: int) -> N
     assert torch.equal(attend(0, rows), torch.cat([attend(0, 6), attend(6, rows)]))
 
 
-def _shared_prefix_decodes(window: int, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _shared_prefix_decodes(window: int, cap: float, rows: list[int] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decodes whose requests share their first blocks, as a system prompt in the prefix cache leaves
     them: five over 8 blocks (one diverging after 6), three over 5 blocks (too few to share), one alone;
-    the kernel's output and naive fp32 attention's."""
+    the kernel's output for ``rows`` of them (default: all) in one call, and naive fp32 attention's."""
     kv_heads, group, head_dim, block_size = 3, 3, 64, 16
     gen = torch.Generator().manual_seed(11)
     k, v = (torch.randn(kv_heads, 80, block_size, head_dim, generator=gen).to(torch.bfloat16) for _ in "kv")
@@ -146,11 +161,13 @@ def _shared_prefix_decodes(window: int, cap: float) -> tuple[torch.Tensor, torch
     width = max(map(len, tables))
     table = torch.tensor([row + [0] * (width - len(row)) for row in tables])
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
-    out = torch.empty_like(q)
-    cpu_ops().paged_attention(out, q, k, v, table, torch.arange(len(lens)), torch.tensor(lens), head_dim ** -0.5,
+    picked = torch.tensor(range(len(lens)) if rows is None else rows)
+    out = torch.empty_like(q[picked])
+    cpu_ops().paged_attention(out, q[picked], k, v, table, picked, torch.tensor(lens)[picked], head_dim ** -0.5,
                               window, cap)
     expected = []
-    for i, seq_len in enumerate(lens):
+    for i in picked.tolist():
+        seq_len = lens[i]
         positions = torch.arange(max(0, seq_len - window) if window else 0, seq_len)
         keys, values = (c[:, table[i][positions // block_size], positions % block_size].float() for c in (k, v))
         scores = q[i].float().view(kv_heads, group, head_dim) @ keys.transpose(1, 2) * head_dim ** -0.5
@@ -170,13 +187,12 @@ def test_decodes_sharing_a_prefix_match_naive_attention(amx_path: bool, window: 
 
 @pytest.mark.parametrize("amx_path", [True], indirect=True)
 def test_only_decodes_sharing_enough_take_the_shared_pass(amx_path: bool) -> None:
-    """The five decodes over 8 shared blocks go through the shared pass (their bits differ from the
-    fp32 path's); the three over 5 blocks, too few, and the lone one do not (the same bits)."""
-    on, _ = _shared_prefix_decodes(0, 0.0)
-    cpu_ops().use_amx(False)
-    off, _ = _shared_prefix_decodes(0, 0.0)
-    assert all(not torch.equal(on[i], off[i]) for i in range(5))
-    assert torch.equal(on[5:], off[5:])
+    """The five decodes over 8 shared blocks go through the shared pass (their bits differ from each one
+    attended alone, which never shares); the three over 5 blocks, too few, and the lone one do not."""
+    together, _ = _shared_prefix_decodes(0, 0.0)
+    alone = [_shared_prefix_decodes(0, 0.0, [row])[0][0] for row in range(len(together))]
+    assert all(not torch.equal(together[i], alone[i]) for i in range(5))
+    assert all(torch.equal(together[i], alone[i]) for i in range(5, len(together)))
 
 
 def test_torch_path_agrees_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

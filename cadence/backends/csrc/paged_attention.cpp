@@ -14,9 +14,10 @@
 //   transposed once so that a query's 16 scores are head_dim FMAs, and each value chunk serves every
 //   query of the tile (compute-bound);
 // - with a bf16 cache on a CPU with AMX, a tile of 4 rows or more goes to the tile unit instead
-//   (attention_amx.cpp: AmxPrefill), 4-6x faster on long prompts; and decodes that share their first
-//   blocks attend to those together there first (attend_shared_prefixes), then each to its own keys
-//   here, the two parts merged (cascade attention).
+//   (attention_amx.cpp: AmxAttention), 4-6x faster on long prompts, and so does a decode where the
+//   call's shape allows (AmxAttention::takes_decodes), about 10% faster; and decodes that share their
+//   first blocks attend to those together there first (attend_shared_prefixes), then each to its own
+//   keys, the two parts merged (cascade attention).
 // Built on first use by cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
 
 #include <ATen/Parallel.h>
@@ -41,23 +42,6 @@
 namespace {
 
 using namespace cadence;
-
-template <_mm_hint Hint = _MM_HINT_T0, typename T>
-inline void prefetch_block(const T* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, Hint);
-}
-
-// The next task's context, fetched into L2 while this task computes: a cache whose blocks lie
-// scattered (as after requests come and go) defeats the hardware prefetcher between blocks, and
-// with it decode attention went from 18.6 to 14.7 ms per 30 layers on a shuffled block table.
-template <typename T>
-struct Upcoming {
-  const T* keys = nullptr;
-  const T* values = nullptr;
-  const int64_t* blocks = nullptr;
-  int64_t num_blocks = 0;
-};
 
 // Scores of `group` query rows (fp32, pre-scaled, [group][head_dim]) against keys [begin, seq_len).
 template <typename T>
@@ -193,7 +177,7 @@ void weigh(const Shape s, const float* probs, const T* values, const int64_t* bl
 
 // Rows attended together: consecutive query rows of one request (a prefill chunk), at most this many.
 constexpr int64_t kTileRows = 16;
-// Tiles of at least this many rows take the tile unit, where they can (AmxPrefill): 32 tiles over 200
+// Tiles of at least this many rows take the tile unit, where they can (AmxAttention): 32 tiles over 200
 // keys each took 1.21x the fp32 path's time there at 2 rows, 0.84x at 4, 0.35x at 16.
 constexpr int64_t kAmxTileRows = 4;
 
@@ -396,58 +380,70 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
     Scratch w(s, longest);
     std::vector<Normalizer> own(s.group);  // a decode's heads' normalizers
 #if defined(__AVX512F__)
-    std::optional<AmxPrefill> unit;  // made at this share's first prefill tile, if it has one
+    std::optional<AmxAttention> unit;  // made at this share's first task on the tile unit, if it has one
 #endif
     const __m512 scale = _mm512_set1_ps(s.scale);
     // The first key a decode reads here: past those it shares with other decodes, if any (SharedPrefixes
     // exist only without a window).
     auto first_key = [&](int64_t row) { return shared.empty() ? s.begin(lens[row]) : shared.keys[row]; };
+    auto upcoming = [&](int64_t task) {  // the context of this share's task after `task`, if any
+      Upcoming<T> next;
+      if (task + 1 < end) {
+        const Tile nt = tiles[(task + 1) / num_kv_heads];
+        const int64_t nh = (task + 1) % num_kv_heads, next_len = lens[nt.first];
+        const int64_t next_first = first_key(nt.first) / s.block_size;
+        next = {k_ptr + nh * s.head_stride, v_ptr + nh * s.head_stride,
+                table + requests[nt.first] * s.max_blocks + next_first,
+                (next_len + s.block_size - 1) / s.block_size - next_first};
+      }
+      return next;
+    };
     for (int64_t task = begin; task < end; ++task) {
       const Tile tile = tiles[task / num_kv_heads];
       const int64_t head = task % num_kv_heads, len = lens[tile.first];
       const int64_t* blocks = table + requests[tile.first] * s.max_blocks;
+      const T* keys = k_ptr + head * s.head_stride;
+      const T* values = v_ptr + head * s.head_stride;
+      bool on_tiles = false;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (amx && tile.count >= kAmxTileRows) {
+        const T* q_tile = q_ptr + tile.first * s.q_stride + head * s.group * dim;
+        if (amx && (tile.count >= kAmxTileRows || (tile.count == 1 && AmxAttention::takes_decodes(s)))) {
           if (!unit) unit.emplace(s, num_kv_heads);
-          unit->attend(q_ptr + tile.first * s.q_stride + head * s.group * dim, tile.count, len, requests[tile.first],
-                       head, k_ptr + head * s.head_stride, v_ptr + head * s.head_stride, blocks, w.acc);
-          store_tile(s, out_ptr + (tile.first * heads + head * s.group) * dim, heads * dim, tile.count, w.acc);
-          continue;
+          if (tile.count == 1) {
+            unit->attend_decode(q_tile, first_key(tile.first), len, keys, values, blocks, upcoming(task), w.acc,
+                                own.data());
+          } else {
+            unit->attend(q_tile, tile.count, len, requests[tile.first], head, keys, values, blocks, w.acc);
+          }
+          on_tiles = true;
         }
       }
 #endif
-      for (int64_t i = 0; i < tile.count; ++i) {  // the tile's queries, scaled: [row][g][dim]
-        const T* q_row = q_ptr + (tile.first + i) * s.q_stride + head * s.group * dim;
-        for (int64_t e = 0; e < s.group * dim; e += 16) {
-          _mm512_store_ps(w.q + i * s.group * dim + e, _mm512_mul_ps(load16(q_row + e), scale));
-        }
-      }
-      if (tile.count == 1) {  // a decode: stream the context once for the group's heads
-        Upcoming<T> next;
-        if (task + 1 < end) {
-          const Tile nt = tiles[(task + 1) / num_kv_heads];
-          const int64_t nh = (task + 1) % num_kv_heads, next_len = lens[nt.first];
-          const int64_t next_first = first_key(nt.first) / s.block_size;
-          next = {k_ptr + nh * s.head_stride, v_ptr + nh * s.head_stride,
-                  table + requests[nt.first] * s.max_blocks + next_first,
-                  (next_len + s.block_size - 1) / s.block_size - next_first};
-        }
-        const int64_t begin = first_key(tile.first);
-        score(s, w.q, k_ptr + head * s.head_stride, blocks, begin, len, w.scores, next);
-        for (int64_t g = 0; g < s.group; ++g) {
-          if (s.soft_cap > 0) soft_cap(w.scores + g * len + begin, len - begin, s.soft_cap);
-          own[g] = softmax(w.scores + g * len + begin, len - begin);
-        }
-        weigh(s, w.scores, v_ptr + head * s.head_stride, blocks, begin, len, w.acc);
-        if (!shared.empty() && shared.slot[tile.first] >= 0) {
-          const int64_t first = shared.slot[tile.first] * heads + head * s.group;
-          for (int64_t g = 0; g < s.group; ++g) {
-            merge(w.acc + g * dim, dim, own[g], shared.out.data() + (first + g) * dim, shared.norms[first + g]);
+      if (!on_tiles) {
+        for (int64_t i = 0; i < tile.count; ++i) {  // the tile's queries, scaled: [row][g][dim]
+          const T* q_row = q_ptr + (tile.first + i) * s.q_stride + head * s.group * dim;
+          for (int64_t e = 0; e < s.group * dim; e += 16) {
+            _mm512_store_ps(w.q + i * s.group * dim + e, _mm512_mul_ps(load16(q_row + e), scale));
           }
         }
-      } else {
-        attend_tile(s, w, tile.count, len, k_ptr + head * s.head_stride, v_ptr + head * s.head_stride, blocks);
+        if (tile.count == 1) {  // a decode: stream the context once for the group's heads
+          const int64_t begin = first_key(tile.first);
+          score(s, w.q, keys, blocks, begin, len, w.scores, upcoming(task));
+          for (int64_t g = 0; g < s.group; ++g) {
+            if (s.soft_cap > 0) soft_cap(w.scores + g * len + begin, len - begin, s.soft_cap);
+            own[g] = softmax(w.scores + g * len + begin, len - begin);
+          }
+          weigh(s, w.scores, values, blocks, begin, len, w.acc);
+        } else {
+          attend_tile(s, w, tile.count, len, keys, values, blocks);
+        }
+      }
+      if (tile.count == 1 && !shared.empty() && shared.slot[tile.first] >= 0) {
+        const int64_t first = shared.slot[tile.first] * heads + head * s.group;
+        for (int64_t g = 0; g < s.group; ++g) {
+          merge(w.acc + g * dim, dim, own[g], shared.out.data() + (first + g) * dim, shared.norms[first + g]);
+        }
       }
       store_tile(s, out_ptr + (tile.first * heads + head * s.group) * dim, heads * dim, tile.count, w.acc);
     }

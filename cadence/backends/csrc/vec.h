@@ -107,6 +107,13 @@ namespace cadence {
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u); }
 
+// `bytes` from p fetched into the cache level of Hint, a line at a time.
+template <_mm_hint Hint = _MM_HINT_T0, typename T>
+inline void prefetch_block(const T* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, Hint);
+}
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
