@@ -86,7 +86,7 @@ AmxAttention::~AmxAttention() {
 }
 
 void AmxAttention::attend(const at::BFloat16* q, int64_t rows, int64_t first_len, int64_t request, int64_t head,
-                        const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks, float* out) {
+                          const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks, float* out) {
   const int64_t dim = s_.chunks * 16, last_len = first_len + rows - 1;
   const int64_t first = round_down(s_.begin(first_len)), width = round_up(last_len) - first;
   Packed& p = packed_[head];
@@ -112,8 +112,8 @@ void AmxAttention::attend(const at::BFloat16* q, int64_t rows, int64_t first_len
 }
 
 void AmxAttention::attend_shared(const at::BFloat16* const* queries, int64_t n, int64_t shared, int64_t id,
-                               int64_t head, const at::BFloat16* keys, const at::BFloat16* values,
-                               const int64_t* blocks, float* const* outs, Normalizer* norms) {
+                                 int64_t head, const at::BFloat16* keys, const at::BFloat16* values,
+                                 const int64_t* blocks, float* const* outs, Normalizer* norms) {
   const int64_t dim = s_.chunks * 16, width = round_up(shared);
   Packed& p = packed_[head];
   ensure(p, id, 0, shared, keys, values, blocks);
@@ -142,7 +142,7 @@ void AmxAttention::prepare(int64_t width) {
 
 // Keys and values [first, end) of the request packed in p, from what it holds already where it can.
 void AmxAttention::ensure(Packed& p, int64_t request, int64_t first, int64_t end, const at::BFloat16* keys,
-                        const at::BFloat16* values, const int64_t* blocks) const {
+                          const at::BFloat16* values, const int64_t* blocks) const {
   if (p.request != request || first < p.base) {
     p.request = request;
     p.base = p.loaded = first;
@@ -161,7 +161,7 @@ void AmxAttention::ensure(Packed& p, int64_t request, int64_t first, int64_t end
 // Keys [first, first + 32) as two B tiles' worth for each 32 dims: 16 dim pairs x 16 keys. Keys from
 // `end` on are zeros.
 void AmxAttention::pack_keys(Packed& p, int64_t first, int64_t end, const at::BFloat16* keys,
-                           const int64_t* blocks) const {
+                             const int64_t* blocks) const {
   const int64_t dim = s_.chunks * 16;
   for (int64_t half = first; half < first + kChunk; half += 16) {
     uint32_t* chunk = p.keys.data() + (half - p.base) * dim / 2;
@@ -179,7 +179,7 @@ void AmxAttention::pack_keys(Packed& p, int64_t first, int64_t end, const at::BF
 // Values [first, first + 32) as a B tile for each 16 dims: 16 key pairs x 16 dims, the pair's two
 // values side by side. Values from `end` on are zeros (their probabilities are too, but 0 x NaN is not).
 void AmxAttention::pack_values(Packed& p, int64_t first, int64_t end, const at::BFloat16* values,
-                             const int64_t* blocks) const {
+                               const int64_t* blocks) const {
   static const __m512i kInterleave = interleave_index();
   const int64_t dim = s_.chunks * 16;
   uint16_t* chunk = p.values.data() + (first - p.base) * dim;
@@ -297,12 +297,15 @@ void AmxAttention::attend_decode(const at::BFloat16* q, int64_t first_key, int64
   uint32_t* heads = reinterpret_cast<uint32_t*>(q_.data());  // per 32 dims: 16 dim pairs x 16 heads
   for (int64_t c = 0; c < dim / 32; ++c) {
     __m512 r[16];
-    for (int64_t g = 0; g < 16; ++g) r[g] = g < s_.group ? _mm512_loadu_ps(q + g * dim + 32 * c) : _mm512_setzero_ps();
+    for (int64_t g = 0; g < 16; ++g) {
+      r[g] = g < s_.group ? _mm512_loadu_ps(q + g * dim + 32 * c) : _mm512_setzero_ps();
+    }
     transpose16(r);  // moves 32-bit lanes only: the bf16 pairs' bits are kept
     for (int i = 0; i < 16; ++i) _mm512_storeu_ps(heads + (16 * c + i) * 16, r[i]);
   }
   // lane i: the offset of row i of a 16 x 16 fp32 tile
-  static const __m512i kColumn = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  static const __m512i kColumn =
+      _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   alignas(64) float sums[16 * 16];  // [key][head]
   const int64_t start = first_key / 16 * 16, groups = (len - start + 15) / 16;
   for (int64_t k = start, i = 0; k < len; k += 16, ++i) {
