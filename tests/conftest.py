@@ -70,8 +70,8 @@ def _one_torch_thread() -> None:
 @pytest.fixture
 def amx_path(request: pytest.FixtureRequest) -> Iterator[bool]:
     """The kernels' path the test asks for (``indirect`` parameter; True: the AMX tiles of the bf16
-    GEMM and of paged attention's prefill tiles), for the test's length; skips where the CPU has no such
-    path."""
+    GEMM and of paged attention's prefill tiles and decodes), for the test's length; skips where the
+    CPU has no such path."""
     from cadence.backends.cpu_kernels import cpu_ops
 
     ops = cpu_ops()
