@@ -76,6 +76,22 @@ __m512i interleave_index() {
   return _mm512_load_si512(index);
 }
 
+// Dims [32c, 32c + 32) of 16 rows (nullptr: a row of zeros) as a B tile, 16 dim pairs x 16 rows: each
+// row's dims read as 32-bit pairs and transposed, which moves 32-bit lanes only, so the bf16 pairs'
+// bits are kept.
+void pair_tile(const uint16_t* const (&rows)[16], int64_t c, uint32_t* tile) {
+  __m512 r[16];
+  for (int t = 0; t < 16; ++t) r[t] = rows[t] ? _mm512_loadu_ps(rows[t] + 32 * c) : _mm512_setzero_ps();
+  transpose16(r);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(tile + i * 16, r[i]);
+}
+
+// row[0:dim] times 1 / sum, `sum` being its exponentials' sum: a row's weighted values, normalized.
+void normalize(float* row, int64_t dim, float sum) {
+  const __m512 v = _mm512_set1_ps(1.0f / sum);
+  for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), v));
+}
+
 }  // namespace
 
 AmxAttention::AmxAttention(const Shape& s, int64_t num_kv_heads)
@@ -97,17 +113,13 @@ void AmxAttention::attend(const at::BFloat16* q, int64_t rows, int64_t first_len
     // on its own row alone, and those rows' outputs are never stored.
     for (int64_t i = 0; i < rows; ++i) std::memcpy(q_.data() + i * dim, q + i * s_.q_stride + g * dim, dim * 2);
     score(p.keys.data() + (first - p.base) * dim / 2, width);
-    float inverse[kAmxRows];
+    float sums[kAmxRows];
     for (int64_t i = 0; i < rows; ++i) {
-      inverse[i] = 1.0f / exponentials(i, s_.begin(first_len + i), first_len + i, first, width).sum;
+      sums[i] = exponentials(i, s_.begin(first_len + i), first_len + i, first, width).sum;
     }
     float* head_out = out + g * dim;
     weigh(p.values.data() + (first - p.base) * dim, width, head_out, s_.group * dim);
-    for (int64_t i = 0; i < rows; ++i) {
-      float* row = head_out + i * s_.group * dim;
-      const __m512 v = _mm512_set1_ps(inverse[i]);
-      for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), v));
-    }
+    for (int64_t i = 0; i < rows; ++i) normalize(head_out + i * s_.group * dim, dim, sums[i]);
   }
 }
 
@@ -165,14 +177,9 @@ void AmxAttention::pack_keys(Packed& p, int64_t first, int64_t end, const at::BF
   const int64_t dim = s_.chunks * 16;
   for (int64_t half = first; half < first + kChunk; half += 16) {
     uint32_t* chunk = p.keys.data() + (half - p.base) * dim / 2;
-    for (int64_t c = 0; c < dim / 32; ++c) {
-      __m512 r[16];  // key t's dims [32c, 32c + 32), as 16 pairs
-      for (int64_t t = 0; t < 16; ++t) {
-        r[t] = half + t < end ? _mm512_loadu_ps(key_row(keys, blocks, half + t, s_) + 32 * c) : _mm512_setzero_ps();
-      }
-      transpose16(r);  // moves 32-bit lanes only: the bf16 pairs' bits are kept
-      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(chunk + (16 * c + i) * 16, r[i]);
-    }
+    const uint16_t* rows[16];
+    for (int64_t t = 0; t < 16; ++t) rows[t] = half + t < end ? key_row(keys, blocks, half + t, s_) : nullptr;
+    for (int64_t c = 0; c < dim / 32; ++c) pair_tile(rows, c, chunk + 16 * c * 16);
   }
 }
 
@@ -295,21 +302,20 @@ void AmxAttention::attend_decode(const at::BFloat16* q, int64_t first_key, int64
   const int64_t block_elems = s_.block_size * dim;
   prepare(width);
   uint32_t* heads = reinterpret_cast<uint32_t*>(q_.data());  // per 32 dims: 16 dim pairs x 16 heads
-  for (int64_t c = 0; c < dim / 32; ++c) {
-    __m512 r[16];
-    for (int64_t g = 0; g < 16; ++g) {
-      r[g] = g < s_.group ? _mm512_loadu_ps(q + g * dim + 32 * c) : _mm512_setzero_ps();
-    }
-    transpose16(r);  // moves 32-bit lanes only: the bf16 pairs' bits are kept
-    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(heads + (16 * c + i) * 16, r[i]);
+  const uint16_t* head_rows[16];
+  for (int64_t g = 0; g < 16; ++g) {
+    head_rows[g] = g < s_.group ? reinterpret_cast<const uint16_t*>(q + g * dim) : nullptr;
   }
+  for (int64_t c = 0; c < dim / 32; ++c) pair_tile(head_rows, c, heads + 16 * c * 16);
   // lane i: the offset of row i of a 16 x 16 fp32 tile
   static const __m512i kColumn =
       _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   alignas(64) float sums[16 * 16];  // [key][head]
   const int64_t start = first_key / 16 * 16, groups = (len - start + 15) / 16;
   for (int64_t k = start, i = 0; k < len; k += 16, ++i) {
-    // this group's share of the next task's blocks, and this task's next keys
+    // this group's share of the next task's blocks, as score() in paged_attention.cpp spreads them (the
+    // loop shared as a member of Upcoming made both decode paths about 15% slower), then this task's
+    // next keys
     for (int64_t nb = i * next.num_blocks / groups; nb < (i + 1) * next.num_blocks / groups; ++nb) {
       prefetch_block<_MM_HINT_T1>(next.keys + next.blocks[nb] * block_elems, block_elems * 2);
       prefetch_block<_MM_HINT_T1>(next.values + next.blocks[nb] * block_elems, block_elems * 2);
@@ -335,14 +341,8 @@ void AmxAttention::attend_decode(const at::BFloat16* q, int64_t first_key, int64
     if (k + kChunk + 16 < len) prefetch_block(key_row(values, blocks, k + kChunk + 16, s_), 16 * dim * 2);
     pack_values(decode_, k, len, values, blocks);
   }
-  sums_.resize(kAmxRows * dim);
-  weigh(decode_.values.data(), width, sums_.data(), dim);
-  for (int64_t g = 0; g < s_.group; ++g) {
-    const __m512 inverse = _mm512_set1_ps(1.0f / norms[g].sum);
-    for (int64_t d = 0; d < dim; d += 16) {
-      _mm512_storeu_ps(out + g * dim + d, _mm512_mul_ps(_mm512_loadu_ps(sums_.data() + g * dim + d), inverse));
-    }
-  }
+  weigh(decode_.values.data(), width, out, dim);
+  for (int64_t g = 0; g < s_.group; ++g) normalize(out + g * dim, dim, norms[g].sum);
 }
 
 namespace {

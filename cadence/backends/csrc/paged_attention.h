@@ -98,7 +98,8 @@ class AmxAttention {
   // One decode row's `group` query heads (`q`: the first, the others after it) against keys
   // [first_key, len) of a KV head (its caches `keys`/`values`, the request's block-table row `blocks`),
   // read in place, with `next`'s context prefetched meanwhile: each head's output, normalized, to
-  // out [group][head_dim] fp32, its normalizer to norms[g]. Needs takes_decodes(s).
+  // out [group][head_dim] fp32 (out must hold 16 rows of head_dim: the tile's rows past `group` are
+  // written too, with nothing of use), its normalizer to norms[g]. Needs takes_decodes(s).
   void attend_decode(const at::BFloat16* q, int64_t first_key, int64_t len, const at::BFloat16* keys,
                      const at::BFloat16* values, const int64_t* blocks, const Upcoming<at::BFloat16>& next,
                      float* out, Normalizer* norms);
