@@ -170,12 +170,12 @@ async def _tokenize(request: web.Request, state: APIState) -> web.StreamResponse
     if req.messages is not None and req.prompt is None:
         messages = req.messages
         args = ChatTemplateArgs(add_generation_prompt=req.add_generation_prompt, template=state.settings.chat_template)
-        ids = await in_thread(lambda: chat_prompt(messages, tokenizer, args),
+        ids = await in_thread(lambda: chat_prompt(messages, tokenizer, args, encode=state.prompt_tokens.encode),
                               timeout_s=state.settings.preprocess_timeout_s, what="rendering and tokenizing the "
                               "messages", param="messages")
     elif req.prompt is not None and req.messages is None:
         prompt = req.prompt
-        ids = await in_thread(lambda: list(tokenizer(prompt, add_special_tokens=req.add_special_tokens).input_ids),
+        ids = await in_thread(lambda: state.prompt_tokens.encode(prompt, req.add_special_tokens),
                               timeout_s=state.settings.preprocess_timeout_s, what="tokenizing the prompt",
                               param="prompt")
     else:

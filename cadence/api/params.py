@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from cadence.api.errors import APIError, bad_request, from_value_error
 from cadence.api.protocol import INT64_MAX, ChatMessage, CompletionRequest, ResponseFormat, SamplingFields
 from cadence.engine.admission import ModelLimits
+from cadence.engine.prefix_tokenizer import Encode, plain_encode
 from cadence.sampling_params import SamplingParams, StructuredOutputsParams
 
 _PARAM_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -175,7 +176,7 @@ def num_prompts(req: CompletionRequest) -> int:
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: PreTrainedTokenizerBase,
-                       bound: TextBound | None = None) -> list[tuple[list[int], str]]:
+                       bound: TextBound | None = None, encode: Encode | None = None) -> list[tuple[list[int], str]]:
     """The request's prompts (one or a batch) as token ids, each with its text (for ``echo``).
 
     :raises APIError: 400 for an empty or mixed ``prompt``, or a text over ``bound``.
@@ -197,9 +198,10 @@ def completion_prompts(req: CompletionRequest, tokenizer: PreTrainedTokenizerBas
             if isinstance(item, str):
                 bound.check(len(item.encode()), "prompt")
     prompts = []
+    tokens_of = encode or plain_encode(tokenizer)
     for item in items:
         if isinstance(item, str):
-            prompts.append((list(tokenizer(item, add_special_tokens=req.add_special_tokens).input_ids), item))
+            prompts.append((tokens_of(item, req.add_special_tokens), item))
         else:
             text = str(tokenizer.decode(item)) if req.echo and all(0 <= t < len(tokenizer) for t in item) else ""
             prompts.append((list(item), text))
@@ -225,7 +227,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
-                args: ChatTemplateArgs = ChatTemplateArgs(), bound: TextBound | None = None) -> list[int]:
+                args: ChatTemplateArgs = ChatTemplateArgs(), bound: TextBound | None = None,
+                encode: Encode | None = None) -> list[int]:
     """Render the conversation with the chat template, as ``LLM.chat`` does: tool calls of earlier
     assistant turns with their arguments as objects, tool answers with their call's id.
 
@@ -250,11 +253,11 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
         rendered: Any = tokenizer.apply_chat_template(
             conversation, tools=args.tools, chat_template=args.template,
             add_generation_prompt=args.add_generation_prompt, continue_final_message=args.continue_final_message,
-            tokenize=True, return_dict=True, **(args.kwargs or {}))
-        ids = rendered["input_ids"]
+            tokenize=False, **(args.kwargs or {}))
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
-    return list(ids)
+    # What apply_chat_template(tokenize=True) does with the text: the template writes the specials.
+    return (encode or plain_encode(tokenizer))(rendered, False)
 
 
 def _conversation_entry(message: ChatMessage, index: int) -> dict[str, Any]:

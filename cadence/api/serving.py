@@ -37,6 +37,7 @@ from cadence.api.request_body import read_json
 from cadence.api.tool_parsers import load_tool_parser
 from cadence.engine.admission import PreparedRequest
 from cadence.engine.async_engine import AsyncEngine
+from cadence.engine.prefix_tokenizer import PrefixTokenizer
 from cadence.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from cadence.lora_request import LoRARequest
 from cadence.messages import RequestOutput
@@ -137,6 +138,7 @@ class APIState:
         self.engine = engine
         self.settings = settings
         self.tokenizer = engine.tokenizer
+        self.prompt_tokens = PrefixTokenizer(engine.tokenizer)  # reuses the ids of prompts' shared starts
         self.limits = engine.limits
         self.texts = TokenTexts(engine.tokenizer)
         self.metrics = APIMetrics(settings.model_name, self.limits.max_model_len, self._engine_states)

@@ -15,6 +15,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from cadence.config import EngineConfig
 from cadence.core.structured_output import check_constraint
+from cadence.engine.prefix_tokenizer import Encode, plain_encode
 from cadence.errors import InvalidRequestError
 from cadence.lora.adapter import AdapterError, AdapterLimits, check_adapter
 from cadence.lora_request import LoRARequest
@@ -86,21 +87,24 @@ def prompt_content(prompt: Prompt) -> str | list[int]:
                               f"got {sorted(prompt)}", "prompt")
 
 
-def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
-    """Token ids of a text prompt; a token-id prompt as a fresh list."""
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int], encode: Encode | None = None
+                    ) -> list[int]:
+    """Token ids of a text prompt (by ``encode``, else the tokenizer's own); a token-id prompt as a fresh list."""
     if isinstance(prompt, str):
-        return list(tokenizer(prompt).input_ids)
+        return (encode or plain_encode(tokenizer))(prompt, True)
     return list(prompt)
 
 
 def prepare_request(tokenizer: PreTrainedTokenizerBase, limits: ModelLimits, prompt: Prompt,
-                    params: SamplingParams, lora_request: LoRARequest | None = None) -> PreparedRequest:
-    """Tokenize ``prompt`` and check the request (and its adapter, if any) against ``limits``.
+                    params: SamplingParams, lora_request: LoRARequest | None = None,
+                    encode: Encode | None = None) -> PreparedRequest:
+    """Tokenize ``prompt`` (by ``encode``, a :class:`PrefixTokenizer`'s, else the tokenizer's own) and
+    check the request (and its adapter, if any) against ``limits``.
 
     :raises InvalidRequestError: saying what to change, with the field in ``param``.
     """
     content = prompt_content(prompt)
-    token_ids = tokenize_prompt(tokenizer, content)
+    token_ids = tokenize_prompt(tokenizer, content, encode)
     check_request(limits, token_ids, params)
     if lora_request is not None:
         check_lora(limits, lora_request)

@@ -18,6 +18,7 @@ from cadence.core.engine_core import EngineCore
 from cadence.engine.admission import ModelLimits, Prompt, prepare_request
 from cadence.engine.async_engine import AsyncEngine
 from cadence.engine.inproc_client import InProcessCoreClient
+from cadence.engine.prefix_tokenizer import PrefixTokenizer
 from cadence.engine_args import EngineArgs
 from cadence.lora_request import LoRARequest
 from cadence.messages import RequestOutput
@@ -43,6 +44,7 @@ class LLM:
         self.config = EngineArgs(model=model, **kwargs).create_config()
         self._client = InProcessCoreClient.start(self.config)
         self.tokenizer = load_tokenizer(self.config.model.path)
+        self._prompt_tokens = PrefixTokenizer(self.tokenizer)  # prompts sharing a start: its ids reused
         self.limits = ModelLimits.of(self.config, self.engine_core.hf_config, self._client.num_blocks, self.tokenizer)
         self._counter = 0
 
@@ -120,14 +122,15 @@ class LLM:
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
         rendered: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                           tokenize=True, return_dict=True)
-        return list(rendered["input_ids"])
+                                                           tokenize=False)
+        # What tokenize=True does with the text (the template writes the specials), reusing shared starts.
+        return self._prompt_tokens.encode(rendered, False)
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int],
                         users: list[str | None], loras: list[LoRARequest | None],
                         use_tqdm: bool) -> list[RequestOutput]:
         # Tokenize and check everything first so that a bad prompt admits nothing.
-        requests = [prepare_request(self.tokenizer, self.limits, prompt, p, lora)
+        requests = [prepare_request(self.tokenizer, self.limits, prompt, p, lora, self._prompt_tokens.encode)
                     for prompt, p, lora in zip(prompts, params, loras, strict=True)]
         progress = tqdm(total=len(prompts), desc="Generating", unit="req",
                         disable=not use_tqdm or len(prompts) < _PROGRESS_MIN_PROMPTS)

@@ -30,6 +30,7 @@ from cadence.api.params import (
 from cadence.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
 from cadence.api.request_body import decode_request
 from cadence.engine.admission import ModelLimits
+from cadence.engine.prefix_tokenizer import PrefixTokenizer
 from cadence.sampling_params import SamplingParams, StructuredOutputsParams
 
 USER_HI = [{"role": "user", "content": "Hi"}]
@@ -505,6 +506,21 @@ def test_prompts_with_no_tokens_are_left_to_admission(tokenizer: Any) -> None:
 def test_an_empty_or_mixed_prompt_is_a_400(tokenizer: Any, prompt: Any, message: str) -> None:
     req = completion(prompt=prompt)  # the body decodes: the union allows each item
     assert_400(error_of(lambda: completion_prompts(req, tokenizer)), "prompt", message)
+
+
+def test_prompts_sharing_a_long_start_get_the_same_ids_through_a_prefix_tokenizer(tokenizer: Any) -> None:
+    """As the server tokenizes them (APIState.prompt_tokens): the shared start's ids reused."""
+    prefixed = PrefixTokenizer(tokenizer)
+    system = "Answer briefly and cite sources. " * 60
+    for question in ("Where is Paris?", "Why is the sky blue?"):
+        for special in (True, False):
+            req = completion(prompt=system + question, add_special_tokens=special)
+            assert completion_prompts(req, tokenizer, encode=prefixed.encode) == completion_prompts(req, tokenizer)
+        conversation = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        messages = chat(messages=conversation).messages
+        assert chat_prompt(messages, tokenizer, encode=prefixed.encode) == tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert prefixed.reused_tokens > 0
 
 
 # ---- chat_prompt -----------------------------------------------------------------------------
