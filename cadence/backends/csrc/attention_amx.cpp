@@ -6,7 +6,10 @@
 // 8.7 ms for torch's flash attention, which runs on tiles; under load the long prompts' first tokens
 // were cadence's TTFT p99. Here, for each query head of the tile's KV head in turn:
 // - scores S = Q K^T by TDPBF16PS: the A tile is the head's 16 rows by 32 dims, a B tile 16 dim pairs
-//   by 16 keys (each key's dims read as 32-bit pairs and transposed);
+//   by 16 keys (each key's dims read as 32-bit pairs and transposed); each row's maximum over its keys
+//   is taken as the tiles are stored, from L1 (a pass of its own, from L2, was two fifths of the
+//   exponentials' time: 8 prompts' 64-token chunks over 1,088 keys took 52-55 ms for 30 layers
+//   against 57-62 with it; the same bits);
 // - exponentials of the scaled scores less their row's maximum, in fp32, summed, and rounded to bf16
 //   as P, zero outside each row's keys (its causal end and its sliding window);
 // - O = P V by TDPBF16PS: the A tile is P's 16 rows by 32 keys, a B tile 16 key pairs by 16 dims (two
@@ -92,6 +95,35 @@ void normalize(float* row, int64_t dim, float sum) {
   for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), v));
 }
 
+// Which of the keys [k, k + 16) a row that sees keys [lo, hi) sees.
+__mmask16 keys_in(int64_t lo, int64_t hi, int64_t k) {
+  if (k >= hi || k + 16 <= lo) return 0;
+  return static_cast<__mmask16>(tail_mask(hi - k) & ~tail_mask(std::max<int64_t>(0, lo - k)));
+}
+
+// A row's scores x[k, k + 16), just written: those it sees (keys [lo, hi)) soft-capped in place
+// (Gemma 2: cap * tanh(s / cap) of each scaled score), and `top`, its running maximum, over them. Taken
+// while the scores are in L1, so that the exponentials need not read a row twice.
+__m512 take(const Shape& s, float* x, int64_t k, int64_t lo, int64_t hi, __m512 top) {
+  if (s.soft_cap > 0) {
+    for (int64_t j = std::max(k, lo); j < std::min(k + 16, hi); ++j) x[j] = s.soft_cap * std::tanh(x[j] * s.scale / s.soft_cap);
+  }
+  return _mm512_max_ps(top, _mm512_mask_loadu_ps(top, keys_in(lo, hi, k), x + k));
+}
+
+// take() of rows [0, rows) of scores (`stride` floats apart) over the 32 keys from c.
+void take_chunk(const Shape& s, float* scores, int64_t stride, int64_t c, int64_t rows, const int64_t* lo,
+                const int64_t* hi, __m512* top) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* x = scores + i * stride;
+    if (s.soft_cap == 0 && lo[i] <= c && c + kChunk <= hi[i]) {  // the row sees all 32
+      top[i] = _mm512_max_ps(top[i], _mm512_max_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(x + c + 16)));
+    } else {
+      top[i] = take(s, x, c + 16, lo[i], hi[i], take(s, x, c, lo[i], hi[i], top[i]));
+    }
+  }
+}
+
 }  // namespace
 
 AmxAttention::AmxAttention(const Shape& s, int64_t num_kv_heads)
@@ -112,11 +144,14 @@ void AmxAttention::attend(const at::BFloat16* q, int64_t rows, int64_t first_len
     // The head's rows as the A tiles; rows past the tile's keep what they held: a row of sums depends
     // on its own row alone, and those rows' outputs are never stored.
     for (int64_t i = 0; i < rows; ++i) std::memcpy(q_.data() + i * dim, q + i * s_.q_stride + g * dim, dim * 2);
-    score(p.keys.data() + (first - p.base) * dim / 2, width);
-    float sums[kAmxRows];
+    int64_t lo[kAmxRows], hi[kAmxRows];  // each row's keys, from the tile's first
     for (int64_t i = 0; i < rows; ++i) {
-      sums[i] = exponentials(i, s_.begin(first_len + i), first_len + i, first, width).sum;
+      lo[i] = s_.begin(first_len + i) - first;
+      hi[i] = first_len + i - first;
     }
+    score(p.keys.data() + (first - p.base) * dim / 2, width, rows, lo, hi);
+    float sums[kAmxRows];
+    for (int64_t i = 0; i < rows; ++i) sums[i] = exponentials(i, lo[i], hi[i], width).sum;
     float* head_out = out + g * dim;
     weigh(p.values.data() + (first - p.base) * dim, width, head_out, s_.group * dim);
     for (int64_t i = 0; i < rows; ++i) normalize(head_out + i * s_.group * dim, dim, sums[i]);
@@ -132,8 +167,11 @@ void AmxAttention::attend_shared(const at::BFloat16* const* queries, int64_t n, 
   prepare(width);
   sums_.resize(kAmxRows * dim);
   for (int64_t i = 0; i < n; ++i) std::memcpy(q_.data() + i * dim, queries[i], dim * 2);
-  score(p.keys.data(), width);
-  for (int64_t i = 0; i < n; ++i) norms[i] = exponentials(i, 0, shared, 0, width);
+  int64_t lo[kAmxRows], hi[kAmxRows];
+  std::fill_n(lo, n, 0);
+  std::fill_n(hi, n, shared);
+  score(p.keys.data(), width, n, lo, hi);
+  for (int64_t i = 0; i < n; ++i) norms[i] = exponentials(i, 0, shared, width);
   weigh(p.values.data(), width, sums_.data(), dim);
   for (int64_t i = 0; i < n; ++i) std::memcpy(outs[i], sums_.data() + i * dim, dim * sizeof(float));
 }
@@ -203,9 +241,12 @@ void AmxAttention::pack_values(Packed& p, int64_t first, int64_t end, const at::
   }
 }
 
-// scores_ [16][stride_] = q_ K^T over the packed keys from the tile's first.
-void AmxAttention::score(const uint32_t* keys, int64_t width) {
+// scores_ [16][stride_] = q_ K^T over the packed keys from the tile's first; of rows [0, rows), each
+// seeing keys [lo[i], hi[i]) from there, tops_ their maxima (see take).
+void AmxAttention::score(const uint32_t* keys, int64_t width, int64_t rows, const int64_t* lo, const int64_t* hi) {
   const int64_t dim = s_.chunks * 16, half = 16 * dim / 2;  // one 16-key half of a chunk
+  __m512 top[kAmxRows];
+  for (int64_t i = 0; i < rows; ++i) top[i] = _mm512_set1_ps(-INFINITY);
   for (int64_t c = 0; c < width; c += kChunk) {
     const uint32_t* k = keys + c * dim / 2;
     _tile_zero(0);
@@ -219,34 +260,27 @@ void AmxAttention::score(const uint32_t* keys, int64_t width) {
     }
     _tile_stored(0, scores_.data() + c, stride_ * 4);
     _tile_stored(1, scores_.data() + c + 16, stride_ * 4);
+    take_chunk(s_, scores_.data(), stride_, c, rows, lo, hi, top);
   }
+  for (int64_t i = 0; i < rows; ++i) tops_[i] = _mm512_reduce_max_ps(top[i]);
 }
 
-// Row `row`'s exponentials into probs_ (bf16; zero outside its keys [begin, len), relative to
-// `first`), and their normalizer. Keys go in groups of 16 aligned to the request's first key, so that
-// the sum's lanes see the same keys whichever tile the row is in.
-Normalizer AmxAttention::exponentials(int64_t row, int64_t begin, int64_t len, int64_t first, int64_t width) {
-  float* x = scores_.data() + row * stride_;
+// Row `row`'s exponentials into probs_ (bf16; zero outside its keys [lo, hi) from the tile's first),
+// shifted by its maximum (tops_), and their normalizer. Keys go in groups of 16 aligned to the
+// request's first key, so that the sum's lanes see the same keys whichever tile the row is in.
+Normalizer AmxAttention::exponentials(int64_t row, int64_t lo, int64_t hi, int64_t width) {
+  const float* x = scores_.data() + row * stride_;
   uint16_t* out = probs_.data() + row * stride_;
-  const int64_t lo = begin - first, hi = len - first, start = lo / 16 * 16;
-  float scale = s_.scale;
-  if (s_.soft_cap > 0) {  // Gemma 2: cap * tanh(s / cap) of each scaled score
-    for (int64_t k = lo; k < hi; ++k) x[k] = s_.soft_cap * std::tanh(x[k] * scale / s_.soft_cap);
-    scale = 1.0f;
-  }
-  auto keys = [&](int64_t k) {  // the row's keys among the 16 from k
-    return static_cast<__mmask16>(tail_mask(hi - k) & ~tail_mask(std::max<int64_t>(0, lo - k)));
-  };
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t k = start; k < hi; k += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, keys(k), x + k));
+  const int64_t start = lo / 16 * 16;
+  const float scale = s_.soft_cap > 0 ? 1.0f : s_.scale;  // soft-capped scores are scaled already
   // e^(scale * (x - max)) = 2^(x * scale * log2(e) - max * scale * log2(e))
-  const float scale2 = scale * 1.44269504088896341f, top_score = _mm512_reduce_max_ps(top);
+  const float scale2 = scale * 1.44269504088896341f, top_score = tops_[row];
   const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(top_score * scale2);
   std::fill(out, out + start, uint16_t{0});
   __m512 sum = _mm512_setzero_ps();
   int64_t k = start;
   for (; k < hi; k += 16) {
-    const __mmask16 m = keys(k);
+    const __mmask16 m = keys_in(lo, hi, k);
     const __m512 e = _mm512_maskz_mov_ps(m, exp2_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, x + k), vscale, shift)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
@@ -333,7 +367,14 @@ void AmxAttention::attend_decode(const at::BFloat16* q, int64_t first_key, int64
       _mm512_storeu_ps(scores_.data() + g * stride_ + k - first, _mm512_i32gather_ps(kColumn, sums + g, 4));
     }
   }
-  for (int64_t g = 0; g < s_.group; ++g) norms[g] = exponentials(g, first_key, len, first, width);
+  // Each head's maximum in a pass of its own: within the loop above it slowed the decodes by 5%.
+  const int64_t lo = first_key - first, hi = len - first;
+  for (int64_t g = 0; g < s_.group; ++g) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = lo / 16 * 16; j < hi; j += 16) top = take(s_, scores_.data() + g * stride_, j, lo, hi, top);
+    tops_[g] = _mm512_reduce_max_ps(top);
+    norms[g] = exponentials(g, lo, hi, width);
+  }
   decode_.base = first;
   decode_.values.resize(width * dim);
   for (int64_t k = first; k < first + width; k += kChunk) {

@@ -118,8 +118,8 @@ class AmxAttention {
   void pack_keys(Packed& p, int64_t first, int64_t end, const at::BFloat16* keys, const int64_t* blocks) const;
   void pack_values(Packed& p, int64_t first, int64_t end, const at::BFloat16* values, const int64_t* blocks) const;
   void prepare(int64_t width);
-  void score(const uint32_t* keys, int64_t width);
-  Normalizer exponentials(int64_t row, int64_t begin, int64_t len, int64_t first, int64_t width);
+  void score(const uint32_t* keys, int64_t width, int64_t rows, const int64_t* lo, const int64_t* hi);
+  Normalizer exponentials(int64_t row, int64_t lo, int64_t hi, int64_t width);
   void weigh(const uint16_t* values, int64_t width, float* out, int64_t out_stride);
 
   const Shape s_;
@@ -129,6 +129,7 @@ class AmxAttention {
   int64_t stride_ = 0;          // elements between the rows of scores_ and probs_ for this tile
   std::vector<float> scores_;   // [16][stride_]: the tile's keys from its first
   std::vector<uint16_t> probs_;  // [16][stride_]: the exponentials, bf16, zero outside each row's keys
+  float tops_[16] = {};          // each row's largest score among its keys (score, attend_decode)
   std::vector<float> sums_;      // [16][head_dim]: attend_shared's outputs before they go to their rows
   bool configured_ = false;
 };
