@@ -1,5 +1,5 @@
 """PrefixTokenizer on the tiny byte-level tokenizer: when it reuses a recent text's ids, and that
-its ids are the tokenizer's own (property_tests/test_prefix_tokenizer.py draws the texts)."""
+its ids are the tokenizer's own (property_tests/test_prefix_tokenizer_ids.py draws the texts)."""
 
 from __future__ import annotations
 
