@@ -142,6 +142,41 @@ def test_a_rows_bits_do_not_depend_on_its_tile(amx_path: bool, window: int) -> N
     assert torch.equal(attend(0, rows), torch.cat([attend(0, 6), attend(6, rows)]))
 
 
+@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
+def test_prefill_chunks_sharing_blocks_give_each_ones_bits(amx_path: bool) -> None:
+    """Prompts' chunks over a cached prefix, in one call: the tile unit keeps the keys it packed for one
+    request where the next reads the same blocks (whole 32-key chunks of them). Each chunk's bits are
+    those it gets alone, where nothing is kept, and near naive attention's: two share all 8 blocks,
+    one 3 (a chunk and a half), one none."""
+    kv_heads, group, head_dim, block_size = 2, 3, 64, 16
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(kv_heads, 40, block_size, head_dim, generator=gen).to(torch.bfloat16) for _ in "kv")
+    tables = [list(range(1, 9)), [*range(1, 9), 20], [1, 2, 3, 30, 31, 32, 33, 34], list(range(1, 9)),
+              [9, 10, 11, 12, 13, 14, 15, 16]]
+    lens, chunks = [128, 130, 128, 120, 128], [20, 18, 17, 16, 16]
+    table = torch.tensor([row + [0] * (9 - len(row)) for row in tables])
+    rows = torch.cat([torch.full((n,), r) for r, n in enumerate(chunks)])
+    seq_lens = torch.cat([torch.arange(n - c + 1, n + 1) for n, c in zip(lens, chunks, strict=True)])
+    q = torch.randn(len(rows), kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
+
+    def attend(picked: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q[picked])
+        cpu_ops().paged_attention(out, q[picked], k, v, table, rows[picked], seq_lens[picked], head_dim ** -0.5, 0, 0.0)
+        return out
+
+    together = attend(torch.arange(len(rows)))
+    for r in range(len(chunks)):
+        mine = (rows == r).nonzero().flatten()
+        assert torch.equal(together[mine], attend(mine))
+        for i in mine.tolist():
+            n = seq_lens[i].item()
+            keys, values = (c[:, table[r][torch.arange(n) // block_size], torch.arange(n) % block_size].float()
+                            for c in (k, v))
+            scores = q[i].float().view(kv_heads, group, head_dim) @ keys.transpose(1, 2) * head_dim ** -0.5
+            expected = (F.softmax(scores, -1) @ values).reshape(kv_heads * group, head_dim)
+            torch.testing.assert_close(together[i].float(), expected, atol=2e-2, rtol=0)
+
+
 def _shared_prefix_decodes(window: int, cap: float, rows: list[int] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decodes whose requests share their first blocks, as a system prompt in the prefix cache leaves

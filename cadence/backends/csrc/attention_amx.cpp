@@ -194,8 +194,18 @@ void AmxAttention::prepare(int64_t width) {
 void AmxAttention::ensure(Packed& p, int64_t request, int64_t first, int64_t end, const at::BFloat16* keys,
                           const at::BFloat16* values, const int64_t* blocks) const {
   if (p.request != request || first < p.base) {
+    // Another request keeps the whole chunks of keys it reads from the same blocks (a prompt prefix
+    // cached for both), within the same base: 8 prompts' chunks over a 1,024-token system prompt
+    // each packed it again.
+    int64_t same = 0;
+    if (p.request >= 0 && first == p.base) {
+      const int64_t packed_blocks = (p.loaded + s_.block_size - 1) / s_.block_size;
+      while (same < packed_blocks && p.blocks[same] == blocks[same]) ++same;
+    }
     p.request = request;
-    p.base = p.loaded = first;
+    p.blocks = blocks;
+    p.loaded = std::max(first, round_down(std::min(p.loaded, same * s_.block_size)));
+    p.base = first;
   }
   if (end <= p.loaded) return;
   const int64_t from = round_down(p.loaded), to = round_up(end), dim = s_.chunks * 16;

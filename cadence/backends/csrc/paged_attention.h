@@ -69,7 +69,7 @@ SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, con
 // for one paged_attention call (the caches' contents are the call's). For prefill tiles it keeps, for
 // each KV head, the keys and values of the request it last attended, repacked as tile operands, and
 // grows them as that request's next tiles read further: a 512-token chunk is 32 tiles, each over every
-// key before it. A decode reads its keys in place instead (attend_decode): no other row reuses them.
+// key before it. The next request keeps those it reads from the same blocks (a cached prompt prefix). A decode reads its keys in place instead (attend_decode): no other row reuses them.
 class AmxAttention {
  public:
   AmxAttention(const Shape& s, int64_t num_kv_heads);
@@ -107,6 +107,7 @@ class AmxAttention {
  private:
   struct Packed {
     int64_t request = -1;
+    const int64_t* blocks = nullptr;  // the request's block-table row
     int64_t base = 0;    // the first key packed, a multiple of 32
     int64_t loaded = 0;  // keys [base, loaded) are the cache's; past them, to the 32-key chunk's end, zeros
     std::vector<uint32_t> keys;    // per 16 keys, [head_dim / 2][16]: the keys' dim pairs, transposed
