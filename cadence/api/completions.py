@@ -145,7 +145,7 @@ async def create_completion(request: web.Request, state: APIState) -> web.Stream
     constraint = structured_outputs(req)
     state.check_admission(num_prompts(req))  # before the slow work, which an overloaded server should not do
     prompts = await in_thread(lambda: completion_prompts(req, state.tokenizer, state.text_bound,
-                                                                 state.prompt_tokens.encode),
+                                                         state.prompt_tokens.encode),
                               timeout_s=settings.preprocess_timeout_s, what="tokenizing the prompt", param="prompt")
     if constraint is not None:
         await state.constraints.check(*constraint)

@@ -26,7 +26,7 @@ async def conversation_prompt(state: APIState, messages: list[ChatMessage], args
     settings = state.settings
     try:
         prompt_ids = await in_thread(lambda: chat_prompt(messages, state.tokenizer, args, state.text_bound,
-                                                                 state.prompt_tokens.encode),
+                                                         state.prompt_tokens.encode),
                                      timeout_s=settings.preprocess_timeout_s,
                                      what="rendering and tokenizing the messages", param=param)
     except APIError as exc:
