@@ -106,7 +106,9 @@ __mmask16 keys_in(int64_t lo, int64_t hi, int64_t k) {
 // while the scores are in L1, so that the exponentials need not read a row twice.
 __m512 take(const Shape& s, float* x, int64_t k, int64_t lo, int64_t hi, __m512 top) {
   if (s.soft_cap > 0) {
-    for (int64_t j = std::max(k, lo); j < std::min(k + 16, hi); ++j) x[j] = s.soft_cap * std::tanh(x[j] * s.scale / s.soft_cap);
+    for (int64_t j = std::max(k, lo); j < std::min(k + 16, hi); ++j) {
+      x[j] = s.soft_cap * std::tanh(x[j] * s.scale / s.soft_cap);
+    }
   }
   return _mm512_max_ps(top, _mm512_mask_loadu_ps(top, keys_in(lo, hi, k), x + k));
 }

@@ -69,7 +69,8 @@ SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, con
 // for one paged_attention call (the caches' contents are the call's). For prefill tiles it keeps, for
 // each KV head, the keys and values of the request it last attended, repacked as tile operands, and
 // grows them as that request's next tiles read further: a 512-token chunk is 32 tiles, each over every
-// key before it. The next request keeps those it reads from the same blocks (a cached prompt prefix). A decode reads its keys in place instead (attend_decode): no other row reuses them.
+// key before it. The next request keeps those it reads from the same blocks (a cached prompt prefix).
+// A decode reads its keys in place instead (attend_decode): no other row reuses them.
 class AmxAttention {
  public:
   AmxAttention(const Shape& s, int64_t num_kv_heads);
