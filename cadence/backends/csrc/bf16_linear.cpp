@@ -19,6 +19,9 @@
 // (amx_linear below) wherever the input width is a multiple of 32: on 2 such cores, the same
 // benchmark gave 1,048 GFLOP/s at 64 rows against 231 by VDPBF16PS and 931 for oneDNN (which takes
 // AMX too), 1,740 at 2,048 rows (oneDNN 2,241), and one row 11.1 ms against 12.8 for the 30 layers.
+// Past 16 rows the tiles now go two row tiles by two column blocks with x streamed (amx_block_tiles):
+// on a slower hour of that VM, 1.12-1.21x oneDNN's speed at 64 rows (before: 0.75-0.85x) and
+// 0.88-0.98x at 2,048 (before: 0.83-0.87x), the same bits.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -157,13 +160,66 @@ void amx_panel_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16*
   }
 }
 
+// A batch of more rows goes by two 16-row tiles of x against two 16-column blocks: four sum tiles,
+// the two A tiles and the two B tiles. A thread runs its blocks over every 32 rows of a 256-row
+// block in turn, and the A tiles are loaded with the streaming hint (TILELOADDT1), so that the two
+// B blocks (36 KiB at K=576) stay in L1 while x passes through from L2. With plain loads x's tiles
+// evicted them, every operand came from L2, and the tile unit waited on it: half its peak at
+// best, with one A tile and three B tiles a panel, or the same with two and two.
+constexpr int64_t kBlockCols = 16;
+
+// Column block b of a packed weight: its 16 columns' pairs, 64 bytes of each of its panel's 192.
+const at::BFloat16* column_block(const at::BFloat16* packed, int64_t pairs, int64_t b) {
+  return packed + (b / 3) * pairs * kPanelCols * 2 + (b % 3) * 2 * kBlockCols;
+}
+
+// kRowTiles 16-row tiles of x (tile i from a[i], `a_stride[i]` bf16 apart; its first m[i] rows are
+// stored) against kBlocks column blocks from b[0..kBlocks): out's columns [0, cols).
+template <int kRowTiles, int kBlocks>
+void amx_block_tiles(const at::BFloat16* const* a, const int64_t* a_stride, const at::BFloat16* const* b,
+                     int64_t pairs, const int64_t* m, at::BFloat16* out, int64_t out_stride, int64_t cols,
+                     const at::BFloat16* bias, float* sums) {
+  constexpr int64_t kPairBytes = kPanelCols * 2 * sizeof(at::BFloat16);
+  _tile_zero(0);
+  if constexpr (kBlocks == 2) _tile_zero(1);
+  if constexpr (kRowTiles == 2) _tile_zero(2);
+  if constexpr (kRowTiles == 2 && kBlocks == 2) _tile_zero(3);
+  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
+    _tile_stream_loadd(4, a[0] + 2 * p, a_stride[0] * sizeof(at::BFloat16));
+    if constexpr (kRowTiles == 2) _tile_stream_loadd(5, a[1] + 2 * p, a_stride[1] * sizeof(at::BFloat16));
+    _tile_loadd(6, b[0] + p * kPanelCols * 2, kPairBytes);
+    if constexpr (kBlocks == 2) _tile_loadd(7, b[1] + p * kPanelCols * 2, kPairBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kBlocks == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kRowTiles == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (kRowTiles == 2 && kBlocks == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  // sums: 32 rows of 32 columns, tile (i, c) at row 16 i, column 16 c
+  constexpr int64_t kSumCols = 2 * kBlockCols, kSumBytes = kSumCols * sizeof(float);
+  _tile_stored(0, sums, kSumBytes);
+  if constexpr (kBlocks == 2) _tile_stored(1, sums + kBlockCols, kSumBytes);
+  if constexpr (kRowTiles == 2) _tile_stored(2, sums + kAmxRows * kSumCols, kSumBytes);
+  if constexpr (kRowTiles == 2 && kBlocks == 2) _tile_stored(3, sums + kAmxRows * kSumCols + kBlockCols, kSumBytes);
+  for (int i = 0; i < kRowTiles; ++i) {
+    for (int64_t r = 0; r < m[i]; ++r) {
+      const float* row = sums + (kAmxRows * i + r) * kSumCols;
+      const __m512 acc[kPanelVecs] = {cadence::load16(row), cadence::load16(row + kBlockCols), _mm512_setzero_ps()};
+      store_panel_row(acc, out + (kAmxRows * i + r) * out_stride, cols, bias);
+    }
+  }
+}
+
 // bf16_linear's AMX path: x [rows, 2 * pairs] with unit column stride, pairs a multiple of 16.
 void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* packed, int64_t panels,
                 int64_t pairs, at::BFloat16* out, int64_t out_features, const at::BFloat16* bias) {
   const int64_t tail_first = rows - rows % kAmxRows;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = (out_features + kBlockCols - 1) / kBlockCols;  // those past it are padding
+  // Up to 16 rows a thread owns whole panels (the weights' stream decides there); past that, pairs
+  // of column blocks.
+  const bool by_blocks = rows > kAmxRows;
+  at::parallel_for(0, by_blocks ? (blocks + 1) / 2 : panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();  // tile state is per thread
-    alignas(64) float sums[kAmxRows * kPanelCols];
+    alignas(64) float sums[2 * kAmxRows * kPanelCols];
     // A tile reads 16 rows: the last few rows of x go from a copy 16 rows long, kept by the thread
     // (what its rows past the batch hold only reaches sums that are never stored). A decode step's
     // linears would otherwise each allocate and clear one.
@@ -174,16 +230,38 @@ void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at:
         std::copy_n(x + r * x_stride, 2 * pairs, tail.data() + (r - tail_first) * 2 * pairs);
       }
     }
-    for (int64_t first_row = 0; first_row < rows; first_row += kRowBlock) {
+    const auto tile_rows = [&](int64_t r0) { return r0 < tail_first ? x + r0 * x_stride : tail.data(); };
+    const auto tile_stride = [&](int64_t r0) { return r0 < tail_first ? x_stride : 2 * pairs; };
+    if (!by_blocks) {
+      for (int64_t j = begin; j < end; ++j) {
+        amx_panel_rows(tile_rows(0), tile_stride(0), packed + j * pairs * kPanelCols * 2, pairs, out + j * kPanelCols,
+                       out_features, rows, std::min(kPanelCols, out_features - j * kPanelCols),
+                       bias ? bias + j * kPanelCols : nullptr, sums);
+      }
+    }
+    for (int64_t first_row = 0; by_blocks && first_row < rows; first_row += kRowBlock) {
       const int64_t block_end = std::min(rows, first_row + kRowBlock);
       for (int64_t j = begin; j < end; ++j) {
-        const at::BFloat16* panel = packed + j * pairs * kPanelCols * 2;
-        const int64_t cols = std::min(kPanelCols, out_features - j * kPanelCols);
-        for (int64_t r0 = first_row; r0 < block_end; r0 += kAmxRows) {
-          const bool full = r0 < tail_first;
-          amx_panel_rows(full ? x + r0 * x_stride : tail.data(), full ? x_stride : 2 * pairs, panel, pairs,
-                         out + r0 * out_features + j * kPanelCols, out_features, std::min(kAmxRows, rows - r0), cols,
-                         bias ? bias + j * kPanelCols : nullptr, sums);
+        const int64_t col = 2 * j * kBlockCols, cols = std::min(2 * kBlockCols, out_features - col);
+        const bool two_blocks = 2 * j + 1 < blocks;
+        const at::BFloat16* b[2] = {column_block(packed, pairs, 2 * j),
+                                    two_blocks ? column_block(packed, pairs, 2 * j + 1) : nullptr};
+        for (int64_t r0 = first_row; r0 < block_end; r0 += 2 * kAmxRows) {
+          const at::BFloat16* a[2] = {tile_rows(r0), tile_rows(r0 + kAmxRows)};
+          const int64_t a_stride[2] = {tile_stride(r0), tile_stride(r0 + kAmxRows)};
+          const int64_t m[2] = {std::min(kAmxRows, block_end - r0), std::min(kAmxRows, block_end - r0 - kAmxRows)};
+          const bool two_tiles = m[1] > 0;
+          at::BFloat16* o = out + r0 * out_features + col;
+          const at::BFloat16* bias_j = bias ? bias + col : nullptr;
+          if (two_tiles && two_blocks) {
+            amx_block_tiles<2, 2>(a, a_stride, b, pairs, m, o, out_features, cols, bias_j, sums);
+          } else if (two_tiles) {
+            amx_block_tiles<2, 1>(a, a_stride, b, pairs, m, o, out_features, cols, bias_j, sums);
+          } else if (two_blocks) {
+            amx_block_tiles<1, 2>(a, a_stride, b, pairs, m, o, out_features, cols, bias_j, sums);
+          } else {
+            amx_block_tiles<1, 1>(a, a_stride, b, pairs, m, o, out_features, cols, bias_j, sums);
+          }
         }
       }
     }
