@@ -139,6 +139,19 @@ class ColumnParallelLinear(ShardedLayer):
         out = linear(x, self.weight, self.bias, self._offsets[-1])
         return out if self.lora is None else self.lora(x, out)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of :meth:`forward`'s two halves (a gate/up layer) through the C++ kernels:
+        the GEMM with SiLU in its epilogue where the weight is in the bf16 GEMM's panels and no adapter
+        applies (``csrc/bf16_linear.cpp``: bf16_linear_silu, the same bits as the two kernels)."""
+        ops = cast(Any, cpu_ops())
+        if self.lora is None and isinstance(self.weight, torch.Tensor) and self.weight.dim() == 4:
+            rows = x.reshape(-1, x.shape[-1])
+            return ops.bf16_linear_silu(rows, self.weight, self.bias, self._offsets[-1]).view(*x.shape[:-1], -1)
+        gate_up = self.forward(x)
+        out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        ops.silu_and_mul(out, gate_up)
+        return out
+
     def load(self, name: str, tensor: CheckpointTensor, shard: int) -> None:
         part = self.parts[shard]
         expected = (part.total, self.in_features) if name == "weight" else (part.total,)

@@ -36,7 +36,7 @@ from cadence.distributed.layers import (
 )
 from cadence.distributed.partition import even_split, head_shard
 from cadence.models.decoder_stack import DecoderStack, LayerParts, build_stack
-from cadence.models.layers import RMSNorm, RotaryEmbedding, StepRope, head_dim_of, kernels, layer_windows
+from cadence.models.layers import RMSNorm, RotaryEmbedding, StepRope, head_dim_of, layer_windows
 from cadence.models.registry import CausalLM
 
 # Checkpoint projection -> (our fused projection, shard index within it).
@@ -93,16 +93,13 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [columns, columns], bias, dtype, device)
         self.down_proj = RowParallelLinear(columns, config.hidden_size, bias, group, dtype, device)
         self.act = ACT2FN[act]
-        # SiLU and the multiply as one C++ kernel (backends/csrc/layer_ops.cpp)
+        # SiLU and the multiply in C++ (ColumnParallelLinear.silu_and_mul)
         self.fused = fused and act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         if self.fused:
-            out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-            kernels().silu_and_mul(out, gate_up)
-            return self.down_proj(out)
-        gate, up = gate_up.split(self.gate_up_proj.out_sizes, dim=-1)
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.out_sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

@@ -24,6 +24,7 @@
 // 0.88-0.98x at 2,048 (before: 0.83-0.87x), the same bits.
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "amx.h"
@@ -173,13 +174,55 @@ const at::BFloat16* column_block(const at::BFloat16* packed, int64_t pairs, int6
   return packed + (b / 3) * pairs * kPanelCols * 2 + (b % 3) * 2 * kBlockCols;
 }
 
-// kRowTiles 16-row tiles of x (tile i from a[i], `a_stride[i]` bf16 apart; its first m[i] rows are
-// stored) against kBlocks column blocks from b[0..kBlocks): out's columns [0, cols).
+// One row of a gate block's and an up block's sums (16 columns each, `sums` and `sums + 16`) plus
+// their biases, rounded as bf16_linear stores them, then silu_and_mul's arithmetic: the same bits as
+// the two kernels, without the gate/up output's trip through memory.
+void store_silu_row(const float* sums, at::BFloat16* out, const at::BFloat16* gate_bias, const at::BFloat16* up_bias) {
+  __m512 gate = cadence::load16(sums), up = cadence::load16(sums + kBlockCols);
+  if (gate_bias) {
+    gate = _mm512_add_ps(gate, cadence::load16(gate_bias));
+    up = _mm512_add_ps(up, cadence::load16(up_bias));
+  }
+  gate = cadence::round_to<at::BFloat16>(gate);
+  const __m512 silu = cadence::round_to<at::BFloat16>(cadence::silu16(gate));
+  cadence::store16(out, _mm512_mul_ps(silu, cadence::round_to<at::BFloat16>(up)));
+}
+
+constexpr int64_t kSumCols = 2 * kBlockCols;  // a row group's sums: 32 rows of 32 columns
+
+// A row group's sums whose rows are still to be stored. They are stored a few at a time inside the
+// next group's tile loop, so that the vector work (SiLU's exponentials above all) runs while the
+// tile unit computes instead of between its products.
+struct PendingRows {
+  const float* sums = nullptr;
+  at::BFloat16* out = nullptr;
+  int64_t out_stride = 0, cols = 0, next = 0, end = 0;
+  const at::BFloat16* bias = nullptr;
+  const at::BFloat16* up_bias = nullptr;
+  bool silu = false;  // a gate block and its up block, stored as silu(gate) * up
+
+  void store(int64_t count) {
+    for (const int64_t stop = std::min(end, next + count); next < stop; ++next) {
+      const float* row = sums + next * kSumCols;
+      at::BFloat16* out_row = out + next * out_stride;
+      if (silu) {
+        store_silu_row(row, out_row, bias, up_bias);
+      } else {
+        const __m512 acc[kPanelVecs] = {cadence::load16(row), cadence::load16(row + kBlockCols), _mm512_setzero_ps()};
+        store_panel_row(acc, out_row, cols, bias);
+      }
+    }
+  }
+};
+
+// kRowTiles 16-row tiles of x (tile i from a[i], `a_stride[i]` bf16 apart) against kBlocks column
+// blocks from b[0..kBlocks), their sums into `sums` (tile (i, c) at row 16 i, column 16 c), while
+// `pending` is stored.
 template <int kRowTiles, int kBlocks>
 void amx_block_tiles(const at::BFloat16* const* a, const int64_t* a_stride, const at::BFloat16* const* b,
-                     int64_t pairs, const int64_t* m, at::BFloat16* out, int64_t out_stride, int64_t cols,
-                     const at::BFloat16* bias, float* sums) {
+                     int64_t pairs, float* sums, PendingRows& pending) {
   constexpr int64_t kPairBytes = kPanelCols * 2 * sizeof(at::BFloat16);
+  const int64_t steps = pairs / kAmxPairs, per_step = (pending.end - pending.next + steps - 1) / steps;
   _tile_zero(0);
   if constexpr (kBlocks == 2) _tile_zero(1);
   if constexpr (kRowTiles == 2) _tile_zero(2);
@@ -193,33 +236,31 @@ void amx_block_tiles(const at::BFloat16* const* a, const int64_t* a_stride, cons
     if constexpr (kBlocks == 2) _tile_dpbf16ps(1, 4, 7);
     if constexpr (kRowTiles == 2) _tile_dpbf16ps(2, 5, 6);
     if constexpr (kRowTiles == 2 && kBlocks == 2) _tile_dpbf16ps(3, 5, 7);
+    pending.store(per_step);
   }
-  // sums: 32 rows of 32 columns, tile (i, c) at row 16 i, column 16 c
-  constexpr int64_t kSumCols = 2 * kBlockCols, kSumBytes = kSumCols * sizeof(float);
+  pending.store(pending.end);
+  constexpr int64_t kSumBytes = kSumCols * sizeof(float);
   _tile_stored(0, sums, kSumBytes);
   if constexpr (kBlocks == 2) _tile_stored(1, sums + kBlockCols, kSumBytes);
   if constexpr (kRowTiles == 2) _tile_stored(2, sums + kAmxRows * kSumCols, kSumBytes);
   if constexpr (kRowTiles == 2 && kBlocks == 2) _tile_stored(3, sums + kAmxRows * kSumCols + kBlockCols, kSumBytes);
-  for (int i = 0; i < kRowTiles; ++i) {
-    for (int64_t r = 0; r < m[i]; ++r) {
-      const float* row = sums + (kAmxRows * i + r) * kSumCols;
-      const __m512 acc[kPanelVecs] = {cadence::load16(row), cadence::load16(row + kBlockCols), _mm512_setzero_ps()};
-      store_panel_row(acc, out + (kAmxRows * i + r) * out_stride, cols, bias);
-    }
-  }
 }
 
-// bf16_linear's AMX path: x [rows, 2 * pairs] with unit column stride, pairs a multiple of 16.
+// bf16_linear's AMX path: x [rows, 2 * pairs] with unit column stride, pairs a multiple of 16. With
+// `silu_half` (a multiple of 16, and more than 16 rows) the weight's rows are a gate half and an up
+// half of that many each, and out [rows, silu_half] gets silu(gate) * up.
 void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* packed, int64_t panels,
-                int64_t pairs, at::BFloat16* out, int64_t out_features, const at::BFloat16* bias) {
+                int64_t pairs, at::BFloat16* out, int64_t out_features, const at::BFloat16* bias,
+                int64_t silu_half = 0) {
   const int64_t tail_first = rows - rows % kAmxRows;
   const int64_t blocks = (out_features + kBlockCols - 1) / kBlockCols;  // those past it are padding
   // Up to 16 rows a thread owns whole panels (the weights' stream decides there); past that, pairs
-  // of column blocks.
-  const bool by_blocks = rows > kAmxRows;
-  at::parallel_for(0, by_blocks ? (blocks + 1) / 2 : panels, 1, [&](int64_t begin, int64_t end) {
+  // of column blocks: two side by side, or a gate block and its up block.
+  const bool by_blocks = rows > kAmxRows, silu = silu_half > 0;
+  const int64_t units = silu ? silu_half / kBlockCols : (blocks + 1) / 2;
+  at::parallel_for(0, by_blocks ? units : panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();  // tile state is per thread
-    alignas(64) float sums[2 * kAmxRows * kPanelCols];
+    alignas(64) float sums[4 * kAmxRows * kSumCols];  // two row groups' (a panel's 16 rows take less)
     // A tile reads 16 rows: the last few rows of x go from a copy 16 rows long, kept by the thread
     // (what its rows past the batch hold only reaches sums that are never stored). A decode step's
     // linears would otherwise each allocate and clear one.
@@ -239,32 +280,40 @@ void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at:
                        bias ? bias + j * kPanelCols : nullptr, sums);
       }
     }
+    PendingRows pending;
+    int64_t groups = 0;  // row groups run, alternating between two halves of `sums`
     for (int64_t first_row = 0; by_blocks && first_row < rows; first_row += kRowBlock) {
       const int64_t block_end = std::min(rows, first_row + kRowBlock);
       for (int64_t j = begin; j < end; ++j) {
-        const int64_t col = 2 * j * kBlockCols, cols = std::min(2 * kBlockCols, out_features - col);
-        const bool two_blocks = 2 * j + 1 < blocks;
-        const at::BFloat16* b[2] = {column_block(packed, pairs, 2 * j),
-                                    two_blocks ? column_block(packed, pairs, 2 * j + 1) : nullptr};
+        const int64_t first = silu ? j : 2 * j, second = silu ? j + units : 2 * j + 1;
+        const int64_t col = first * kBlockCols, cols = silu ? kBlockCols : std::min(2 * kBlockCols, out_features - col);
+        const int64_t out_stride = silu ? silu_half : out_features;
+        const bool two_blocks = second < blocks;
+        const at::BFloat16* b[2] = {column_block(packed, pairs, first),
+                                    two_blocks ? column_block(packed, pairs, second) : nullptr};
+        const at::BFloat16* bias_j = bias ? bias + col : nullptr;
+        const at::BFloat16* up_bias = silu && bias ? bias + silu_half + col : nullptr;
         for (int64_t r0 = first_row; r0 < block_end; r0 += 2 * kAmxRows) {
           const at::BFloat16* a[2] = {tile_rows(r0), tile_rows(r0 + kAmxRows)};
           const int64_t a_stride[2] = {tile_stride(r0), tile_stride(r0 + kAmxRows)};
           const int64_t m[2] = {std::min(kAmxRows, block_end - r0), std::min(kAmxRows, block_end - r0 - kAmxRows)};
           const bool two_tiles = m[1] > 0;
-          at::BFloat16* o = out + r0 * out_features + col;
-          const at::BFloat16* bias_j = bias ? bias + col : nullptr;
+          float* group_sums = sums + (groups++ % 2) * 2 * kAmxRows * kSumCols;
           if (two_tiles && two_blocks) {
-            amx_block_tiles<2, 2>(a, a_stride, b, pairs, m, o, out_features, cols, bias_j, sums);
+            amx_block_tiles<2, 2>(a, a_stride, b, pairs, group_sums, pending);
           } else if (two_tiles) {
-            amx_block_tiles<2, 1>(a, a_stride, b, pairs, m, o, out_features, cols, bias_j, sums);
+            amx_block_tiles<2, 1>(a, a_stride, b, pairs, group_sums, pending);
           } else if (two_blocks) {
-            amx_block_tiles<1, 2>(a, a_stride, b, pairs, m, o, out_features, cols, bias_j, sums);
+            amx_block_tiles<1, 2>(a, a_stride, b, pairs, group_sums, pending);
           } else {
-            amx_block_tiles<1, 1>(a, a_stride, b, pairs, m, o, out_features, cols, bias_j, sums);
+            amx_block_tiles<1, 1>(a, a_stride, b, pairs, group_sums, pending);
           }
+          pending = {group_sums, out + r0 * out_stride + col, out_stride, cols, 0, m[0] + std::max<int64_t>(m[1], 0),
+                     bias_j, up_bias, silu};
         }
       }
     }
+    pending.store(pending.end);
     _tile_release();
   });
 }
@@ -276,10 +325,10 @@ void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at:
 
 namespace {
 
-// x [M, K] bf16 (dense rows), packed from pack_bf16_linear of a [out_features, K] weight, bias
-// [out_features] bf16 or None -> [M, out_features] bf16.
-at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features) {
+// x [M, K] bf16 checked against a weight packed from pack_bf16_linear of `out_features` rows and its
+// bias, and given dense rows that start on 4-byte boundaries (pairs are read as int32).
+at::Tensor checked_input(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanelCols && packed.size(3) == 2 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kBFloat16 && (out_features + kPanelCols - 1) / kPanelCols == packed.size(0),
               "bf16_linear: the weight must come from pack_bf16_linear of ", out_features, " rows");
@@ -287,10 +336,16 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c
               "bf16_linear: x must be [M, ", 2 * packed.size(1), "] bf16");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == at::kBFloat16),
               "bf16_linear: bias must be dense [", out_features, "] bf16");
-  // Pairs are read as int32: rows must be dense and start on 4-byte boundaries.
   const bool pair_aligned = x_in.stride(1) == 1 && x_in.stride(0) % 2 == 0 &&
                             reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 4 == 0;
-  const at::Tensor x = pair_aligned ? x_in : x_in.contiguous();
+  return pair_aligned ? x_in : x_in.contiguous();
+}
+
+// x [M, K] bf16 (dense rows), packed from pack_bf16_linear of a [out_features, K] weight, bias
+// [out_features] bf16 or None -> [M, out_features] bf16.
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  const at::Tensor x = checked_input(x_in, packed, bias, out_features);
   const int64_t rows = x.size(0), panels = packed.size(0), pairs = packed.size(1);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
@@ -335,6 +390,30 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c
   return out;
 }
 
+// silu_and_mul(bf16_linear(x, packed, bias, out_features)) of a fused [gate | up] weight: [M, out_features / 2].
+// Past 16 rows on the AMX path, with halves of whole column blocks, in one pass (amx_linear's
+// silu_half): the same bits, without writing the gate/up output and reading it back.
+at::Tensor bf16_linear_silu(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  TORCH_CHECK(out_features % 2 == 0, "bf16_linear_silu: the weight's rows must be a gate half and an up half");
+  const at::Tensor x = checked_input(x_in, packed, bias, out_features);
+  const int64_t rows = x.size(0), half = out_features / 2;
+  at::Tensor out = at::empty({rows, half}, x.options());
+#if defined(__AVX512F__)
+  if (rows > kAmxRows && half % kBlockCols == 0 && packed.size(1) % kAmxPairs == 0 && cadence::use_amx()) {
+    amx_linear(x.data_ptr<at::BFloat16>(), x.stride(0), rows, packed.data_ptr<at::BFloat16>(), packed.size(0),
+               packed.size(1), out.data_ptr<at::BFloat16>(), out_features,
+               bias ? bias->data_ptr<at::BFloat16>() : nullptr, half);
+    return out;
+  }
+#endif
+  static const auto silu_and_mul = c10::Dispatcher::singleton()
+                                       .findSchemaOrThrow("cadence_cpu::silu_and_mul", "")
+                                       .typed<void(const at::Tensor&, const at::Tensor&)>();
+  silu_and_mul.call(out, bf16_linear(x, packed, bias, out_features));
+  return out;
+}
+
 }  // namespace
 
 #pragma GCC pop_options
@@ -344,9 +423,11 @@ TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
   m.def("use_amx(bool enable) -> bool", use_amx);
   m.def("pack_bf16_linear(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("bf16_linear_silu(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) {
   m.impl("pack_bf16_linear", pack_bf16_linear);
   m.impl("bf16_linear", bf16_linear);
+  m.impl("bf16_linear_silu", bf16_linear_silu);
 }

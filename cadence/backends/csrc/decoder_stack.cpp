@@ -78,6 +78,12 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
   op.call(out, gate_up);
 }
 
+at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed, const OptTensor& bias, int64_t out_features) {
+  static const auto op = kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>(
+      "cadence_cpu::bf16_linear_silu");
+  return op.call(x, packed, bias, out_features);
+}
+
 void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                       int64_t num_heads, int64_t head_dim) {
   static const auto op = kernel<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -311,11 +317,18 @@ struct DecoderStack : torch::CustomClassHolder {
     return layer.o->apply(attended.reshape({tokens, -1}), lora_masks, lora_slot);
   }
 
-  // The MLP (cadence/models/llama.py: MLP.forward): SiLU and the multiply as one kernel (Llama), or
-  // GeLU-tanh of the gate times the up half in torch ops (Gemma).
+  // The MLP (cadence/models/llama.py: MLP.forward): SiLU and the multiply as one kernel, or in the
+  // GEMM's epilogue where the gate/up weight is in panels and no adapter is set (Llama), or GeLU-tanh
+  // of the gate times the up half in torch ops (Gemma).
   static at::Tensor mlp(const Layer& layer, const at::Tensor& x, const std::vector<at::Tensor>& lora_masks,
                         int64_t lora_slot) {
-    const at::Tensor gate_up = layer.gate_up->apply(x, lora_masks, lora_slot);
+    const Linear& gate_up_proj = *layer.gate_up;
+    if (!layer.gemma && gate_up_proj.kind == kPanels && !gate_up_proj.lora_a) {  // ColumnParallelLinear.silu_and_mul
+      return layer.down->apply(
+          bf16_linear_silu(x, gate_up_proj.weights[0], gate_up_proj.bias, gate_up_proj.out_features), lora_masks,
+          lora_slot);
+    }
+    const at::Tensor gate_up = gate_up_proj.apply(x, lora_masks, lora_slot);
     const int64_t half = gate_up.size(1) / 2;
     if (layer.gemma) {
       return layer.down->apply(at::gelu(gate_up.narrow(1, 0, half), "tanh") * gate_up.narrow(1, half, half),

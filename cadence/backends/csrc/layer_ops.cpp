@@ -128,7 +128,6 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
   CADENCE_DISPATCH_FLOAT(gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    const __m512 one = _mm512_set1_ps(1.0f);
     at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = in + r * gate_up.stride(0);
@@ -136,7 +135,7 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
         for (int64_t i = 0; i < n; i += 16) {
           const __mmask16 m = tail_mask(n - i);
           const __m512 g = load16(gate + i, m);
-          const __m512 silu = round_to<scalar_t>(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+          const __m512 silu = round_to<scalar_t>(silu16(g));
           store16(out_row + i, _mm512_mul_ps(silu, load16(gate + n + i, m)), m);
         }
       }

@@ -226,4 +226,9 @@ inline __m512 exp16(__m512 x) {
 #endif
 }
 
+// silu(g) = g / (1 + e^-g) in fp32: silu_and_mul's, and the bf16 GEMM's fused gate/up epilogue's.
+inline __m512 silu16(__m512 g) {
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
 }  // namespace cadence
