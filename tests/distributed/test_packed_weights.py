@@ -96,6 +96,27 @@ def test_bf16_gemm_reads_strided_and_misaligned_rows(amx_path: bool) -> None:
 
 
 @needs_bf16_gemm
+@pytest.mark.parametrize("amx_path", [False, True], indirect=True)
+@pytest.mark.parametrize(("half", "in_features"), [(48, 64), (96, 576), (40, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gate_up_gemm_with_silu_is_the_two_kernels(half: int, in_features: int, with_bias: bool,
+                                                  amx_path: bool) -> None:
+    # bf16_linear_silu does silu_and_mul in the gate/up GEMM's epilogue past 16 rows on the tile unit
+    # where each half is whole 16-column blocks (48, 96; 40 is not), and runs the two kernels elsewhere:
+    # the same bits either way, each row group's stores done inside the next group's tile loop.
+    ops = cpu_ops()
+    torch.manual_seed(half + in_features)
+    weight = torch.randn(2 * half, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(2 * half, dtype=torch.bfloat16) if with_bias else None
+    packed = ops.pack_bf16_linear(weight)
+    for rows in _ROWS:
+        x = 2 * torch.randn(rows, in_features, dtype=torch.bfloat16)
+        expected = torch.empty(rows, half, dtype=torch.bfloat16)
+        ops.silu_and_mul(expected, ops.bf16_linear(x, packed, bias, 2 * half))
+        assert torch.equal(ops.bf16_linear_silu(x, packed, bias, 2 * half), expected)
+
+
+@needs_bf16_gemm
 def test_bf16_gemm_rejects_what_it_cannot_read() -> None:
     ops = cpu_ops()
     packed = ops.pack_bf16_linear(torch.randn(50, 32, dtype=torch.bfloat16))
