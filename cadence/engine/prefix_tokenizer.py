@@ -94,10 +94,15 @@ def _specials_before(tokenizer: PreTrainedTokenizerBase) -> list[int] | None:
     return special[:cut] if cut >= 0 and special[cut:] == plain else None
 
 
+def _lead_ids(tokenizer: PreTrainedTokenizerBase) -> list[int] | None:
+    """The special tokens ``tokenizer`` adds before a text where :class:`PrefixTokenizer` reuses ids
+    with it (its pieces' ids in order, and special tokens only before a text); None where it does not."""
+    return _specials_before(tokenizer) if _pieces_in_order(tokenizer) else None
+
+
 def reuses_prefixes(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether :class:`PrefixTokenizer` reuses ids with ``tokenizer``: its pieces' ids in order, and
-    special tokens only before a text."""
-    return _pieces_in_order(tokenizer) and _specials_before(tokenizer) is not None
+    """Whether :class:`PrefixTokenizer` reuses ids with ``tokenizer``."""
+    return _lead_ids(tokenizer) is not None
 
 
 def plain_encode(tokenizer: PreTrainedTokenizerBase) -> Encode:
@@ -143,7 +148,7 @@ class PrefixTokenizer:
         """Whether texts reuse recent ones' ids: :func:`reuses_prefixes` of the tokenizer."""
         with self._lock:
             if self._enabled is None:
-                lead = _specials_before(self.tokenizer) if _pieces_in_order(self.tokenizer) else None
+                lead = _lead_ids(self.tokenizer)
                 self._enabled, self._lead = lead is not None, lead or []
             return self._enabled
 
