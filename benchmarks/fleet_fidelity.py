@@ -71,7 +71,7 @@ def main() -> int:
     cost_model = CostModel.load(cost_path)
     log(f"cost model {cost_path}: {cost_model.describe()}")
     # The server's engine cores, as the simulator models each (serve's step budget and latency target).
-    config = EngineArgs(dtype=args.dtype, num_threads=args.num_threads, usage_context="serving").create_config()
+    config = EngineArgs(dtype=args.dtype, num_threads=args.num_threads).create_config()
     limits = EngineLimits.from_engine_config(config)
     policy, options = config.scheduler.policy, config.scheduler.policy_options
     fleet = args.data_parallel_size

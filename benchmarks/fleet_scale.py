@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
     cost_model = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
-    config = EngineArgs(usage_context="serving").create_config()
+    config = EngineArgs().create_config()
     limits = EngineLimits.from_engine_config(config)
 
     def run(workload: list[RequestSpec], engines: int, fast_forward: bool = True) -> SimResult:

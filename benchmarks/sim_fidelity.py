@@ -80,7 +80,7 @@ def main() -> int:
     args = parser.parse_args()
 
     # As `cadence serve` runs it (its step budget and latency target): what `cadence simulate` models.
-    engine = LLM(model=args.model, dtype=args.dtype, num_threads=args.num_threads, usage_context="serving")
+    engine = LLM(model=args.model, dtype=args.dtype, num_threads=args.num_threads)
     calibration_steps: list[TimedStep] = []
     if args.cost_model:
         cost_model = CostModel.load(args.cost_model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from cadence.config import (
     QUANTIZATIONS,
@@ -30,17 +30,13 @@ from cadence.config import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-# A step's token budget when none is set (with chunked prefill), by what the engine is for, as vLLM
-# picks its defaults by usage context. Offline, throughput peaks at 2048 here (8192: -13%). A server
-# takes new prompts in bursts, and smaller steps give the first of a burst its first token sooner:
-# 32 concurrent clients with 128-token prompts got TTFT p50 1,090 ms at 2048, 659 ms at 1024 and
-# 318 ms at 512, for 1-2% of output throughput; p99 stays about 1.5 s (benchmarks/compare.py).
-DEFAULT_TOKEN_BUDGET: dict[str, int] = {"offline": 2048, "serving": 512}
-# The inter-token latency a step with decodes is sized for (ms; 0: off), by usage context. Offline
-# nobody watches tokens arrive, and whole budgets run fastest. Serving the default model in bf16, 32
-# streaming clients saw ITL p99 of 391-616 ms without it (a 512-token prefill chunk stalls every
-# decode) and 135-154 ms at 100, for TTFT p99 of 4.6-7.5 s against 3.3-4.9 s (docs/performance.md).
-DEFAULT_TARGET_ITL_MS: dict[str, float] = {"offline": 0.0, "serving": 100.0}
+# A step's token budget when none is set (with chunked prefill), offline and serving alike, as vLLM
+# sets it for a server. Offline, throughput peaks at 2048 here (8192: -13%). Serving 32 streaming
+# clients (64 requests of 128-token prompts, the default model in bf16), 2048 tokens a step without
+# a latency target gave TTFT p99 700-832 ms and ITL p99 60-73 ms, against 989-1,203 and 87-144 at 512
+# with a 100-ms target, and 1024 or 1536 tokens gave ITL p99 149-171 ms: a burst's prompts take fewer
+# steps, so fewer of the streams' gaps hold a prefill (docs/performance.md, "The default schedule").
+DEFAULT_TOKEN_BUDGET = 2048
 
 
 def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
@@ -79,16 +75,14 @@ class EngineArgs:
         "one block table for all layers: a model with sliding and global layers then keeps every block"))
     max_num_seqs: int = field(default=128, metadata=_flag("most requests in one step"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
-        f"token budget of one step (default: {DEFAULT_TOKEN_BUDGET['offline']}; "
-        f"{DEFAULT_TOKEN_BUDGET['serving']} for serve)"))
+        f"token budget of one step (default: {DEFAULT_TOKEN_BUDGET})"))
     enable_chunked_prefill: bool = field(default=True, metadata=_flag(
         "split long prompts across steps to fit the token budget"))
     long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one prompt's chunk per step (0: none)"))
-    target_itl_ms: float | None = field(default=None, metadata=_flag(
+    target_itl_ms: float = field(default=0.0, metadata=_flag(
         "size prefill chunks so that a step with decodes ends within this many ms, or twice the decodes' "
         "own time if longer (of the batch the waiting requests will make, while they wait; step costs timed at "
-        f"start) (0: off; default {DEFAULT_TARGET_ITL_MS['offline']:g}, "
-        f"{DEFAULT_TARGET_ITL_MS['serving']:g} for serve; docs/performance.md)"))
+        "start) (0: off, the default; docs/performance.md)"))
     policy: str = field(default="fcfs", metadata=_flag("scheduling policy (an entry point in cadence.policies)"))
     policy_options: dict[str, str] = field(default_factory=dict, metadata=_flag(
         "option for the policy; repeatable", flag="--policy-option", metavar="KEY=VALUE"))
@@ -115,8 +109,6 @@ class EngineArgs:
         "least-loaded, round-robin, power-of-two; docs/distributed.md)"))
     distributed_executor_backend: str | None = field(default=None, metadata=_flag(
         "how tensor-parallel workers run (default: uni for 1 rank, mp for more)", choices=["uni", "mp", "ray"]))
-    # Picks defaults, like DEFAULT_TOKEN_BUDGET; set by the verb (serve), not a flag of its own.
-    usage_context: Literal["offline", "serving"] = field(default="offline", metadata={"flag": None})
 
     def create_config(self) -> EngineConfig:
         """Resolve the model (converting a GGUF once), refuse an architecture no installed package runs
@@ -142,8 +134,7 @@ class EngineArgs:
                             quantization=quantization, gguf_file=gguf_file, enforce_eager=self.enforce_eager)
         batched = self.max_num_batched_tokens
         if batched is None:
-            budget = DEFAULT_TOKEN_BUDGET[self.usage_context]
-            batched = budget if self.enable_chunked_prefill else max(budget, max_model_len)
+            batched = DEFAULT_TOKEN_BUDGET if self.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_model_len)
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -158,8 +149,7 @@ class EngineArgs:
                 max_num_batched_tokens=batched,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
-                target_itl_ms=(DEFAULT_TARGET_ITL_MS[self.usage_context] if self.target_itl_ms is None
-                               else self.target_itl_ms),
+                target_itl_ms=self.target_itl_ms,
                 policy=self.policy,
                 policy_options=dict(self.policy_options),
                 trace_scheduling=self.trace_scheduling,
@@ -210,8 +200,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineArgs)
     for f in fields(EngineArgs):
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-        if flag is None:
-            continue
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
         kwargs.update({k: f.metadata[k] for k in ("choices", "metavar") if k in f.metadata})
         hint = hints[f.name]

@@ -54,18 +54,15 @@ def test_engine_args_build_the_config_tree(make_tiny_model: Callable[..., Path])
     assert config.scheduler.max_num_seqs == 8
 
 
-@pytest.mark.parametrize(("field", "defaults", "chosen"), [
-    ("max_num_batched_tokens", {"offline": 2048, "serving": 512}, 4096),
-    ("target_itl_ms", {"offline": 0.0, "serving": 100.0}, 0.0),  # serve keeps streams steady
+@pytest.mark.parametrize(("field", "default", "chosen"), [
+    ("max_num_batched_tokens", 2048, 512),
+    ("target_itl_ms", 0.0, 100.0),  # vLLM's schedule: whole budgets, no latency target
 ])
-def test_scheduler_defaults_follow_the_usage_and_yield_to_the_user(
-        make_tiny_model: Callable[..., Path], field: str, defaults: dict[str, float], chosen: float) -> None:
+def test_scheduler_defaults_are_vllms_schedule_and_yield_to_the_user(
+        make_tiny_model: Callable[..., Path], field: str, default: float, chosen: float) -> None:
     folder = str(make_tiny_model("llama"))
-    got = {usage: getattr(EngineArgs(model=folder, usage_context=usage).create_config().scheduler, field)
-           for usage in ("offline", "serving")}
-    assert got == defaults
-    config = EngineArgs(model=folder, usage_context="serving", **{field: chosen}).create_config()
-    assert getattr(config.scheduler, field) == chosen
+    assert getattr(EngineArgs(model=folder).create_config().scheduler, field) == default
+    assert getattr(EngineArgs(model=folder, **{field: chosen}).create_config().scheduler, field) == chosen
 
 
 @pytest.mark.parametrize(("build", "message"), [
@@ -126,7 +123,6 @@ def test_every_engine_option_is_a_flag_of_every_verb_with_the_same_default(verb:
     # Each verb takes the same flags, made from EngineArgs' fields: parsed with none, they give EngineArgs().
     assert _parse(*verb.split()) == EngineArgs()
     flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in fields(EngineArgs)}
-    assert flags.pop("usage_context") is None
     assert flags["policy_options"] == "--policy-option"
 
 

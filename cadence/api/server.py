@@ -22,7 +22,7 @@ import math
 import os
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -180,7 +180,7 @@ def run_server(ns: argparse.Namespace) -> int:
     allow_lora_updating = runtime_lora_updating(ns)
     # Before the model is resolved: the engine core's imports run beside this process's own.
     start_fork_server()
-    config = replace(engine_args_from(ns), usage_context="serving").create_config()
+    config = engine_args_from(ns).create_config()
     settings = ServerSettings(
         served_model_names=tuple(ns.served_model_name or [default_model_name(ns.model)]),
         api_key=ns.api_key or None,

@@ -67,8 +67,9 @@ _VERSION = 3
 _READS = (2, 3)
 
 # The fallback (`--cost-model builtin`): fitted by `cadence simulate calibrate` for the default model
-# (SmolLM2-135M-Instruct, Q4_1 GGUF, bf16 activations, sdpa, 2 threads, serve's defaults) on the
-# 2-core development machine (see DEFAULT_METADATA). Another machine or model gets its own fit.
+# (SmolLM2-135M-Instruct, Q4_1 GGUF, bf16 activations, sdpa, 2 threads, serve's defaults then: a
+# 512-token budget, a 100-ms target) on the 2-core development machine (see DEFAULT_METADATA).
+# Another machine or model gets its own fit.
 DEFAULT_COEFFICIENTS: dict[str, float] = {
     "const": 6.07e-3,
     "prefill_tokens": 7.25e-4,

@@ -5,7 +5,7 @@ on first use, oneDNN builds a primitive for each new matmul shape, the allocator
 to a big step's activations, the sampler's paths (greedy, top-p/top-k, penalties, logprobs) run
 their first kernels. Without a warm-up the first burst after start pays all of that inside its
 users' first tokens. So before ready the engine core runs scratch requests through its own workers:
-a prefill the size of the serving token budget, a step of several prompts, a step that mixes a
+a prefill the size of the token budget, a step of several prompts, a step that mixes a
 decode with prefills, and decode-only steps, sampled each way.
 
 The scratch requests go through a scheduler and KV allocator of their own over the workers' cache
@@ -27,6 +27,7 @@ from cadence.config import EngineConfig
 from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
+from cadence.engine_args import DEFAULT_TOKEN_BUDGET
 from cadence.executor.base import Executor
 from cadence.policies.base import PolicyContext
 from cadence.policies.clock import WallClock
@@ -36,10 +37,10 @@ from cadence.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# The longest scratch prompt: serve's token budget. A larger offline budget's first full step still
-# touches the rest of its buffers for the first time, which is small beside such a step.
-_MAX_PREFILL = 512
-_SHORT_PROMPT, _SHORT_OUTPUT = 16, 2  # four of these fit serve's latency target beside a decode
+# The longest scratch prompt: the default token budget, a burst's first steps. A larger budget's first
+# full step still touches the rest of its buffers for the first time, which is small beside such a step.
+_MAX_PREFILL = DEFAULT_TOKEN_BUDGET
+_SHORT_PROMPT, _SHORT_OUTPUT = 16, 2  # four of these fit a latency target of 100 ms beside a decode
 _MAX_STEPS = 64  # a guard: the scratch requests take three steps
 # The short prompts: each way a token is chosen (greedy, top-p and top-k, penalties, logprobs).
 _SAMPLING = (

@@ -19,7 +19,6 @@ import argparse
 import math
 import re
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,7 +133,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
 
     slos = parse_goodput(ns.goodput)
     percentiles = _percentiles(ns.metric_percentiles)
-    args = _serving_args(ns)
+    args = engine_args_from(ns)
     if args.data_parallel_size != 1 or args.tensor_parallel_size != 1:
         raise ValueError("cadence simulate models engine cores of one rank each: for several, give --engines N "
                          "(and --router NAME), not --data-parallel-size; drop --tensor-parallel-size (calibrate "
@@ -189,18 +188,12 @@ def run_simulate(ns: argparse.Namespace) -> int:
 
 
 def run_calibrate(ns: argparse.Namespace) -> int:
-    model = _fit_traces(ns.from_trace) if ns.from_trace else _calibrate(_serving_args(ns), ns.seed, ns.quick)
+    model = _fit_traces(ns.from_trace) if ns.from_trace else _calibrate(engine_args_from(ns), ns.seed, ns.quick)
     print(model.describe())
     if ns.output:
         model.save(ns.output)
         print(f"wrote {ns.output}", file=sys.stderr)
     return 0
-
-
-def _serving_args(ns: argparse.Namespace) -> EngineArgs:
-    """The engine options given, with ``serve``'s defaults for the rest: a simulation models a server,
-    and a calibration times the engine as it serves."""
-    return replace(engine_args_from(ns), usage_context="serving")
 
 
 def _calibrate(args: EngineArgs, seed: int, quick: bool) -> CostModel:

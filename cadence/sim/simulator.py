@@ -27,7 +27,7 @@ from cadence.core.scheduler import Scheduler
 from cadence.core.scheduling_trace import SchedulingTrace, ranked_path
 from cadence.core.speculation import SpecDecoding
 from cadence.engine.routers.base import Router, RouterContext, load_router
-from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
+from cadence.engine_args import DEFAULT_TOKEN_BUDGET
 from cadence.messages import SpecDecodeStats
 from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.clock import Clock, VirtualClock
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 class EngineLimits:
     """The engine settings a simulation needs: context length, KV pool and the scheduler's limits.
 
-    A simulation models a server: the step's token budget and the inter-token latency target default
-    to ``cadence serve``'s.
+    The step's token budget and the inter-token latency target (off) default to the engine's, as
+    ``cadence serve`` and ``LLM`` run it.
     """
 
     num_kv_blocks: int = 4096  # the null block included
@@ -57,10 +57,10 @@ class EngineLimits:
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET["serving"]
+    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    target_itl_ms: float = DEFAULT_TARGET_ITL_MS["serving"]
+    target_itl_ms: float = 0.0
 
     def __post_init__(self) -> None:
         self.scheduler_config()  # the scheduler's own checks, raised at the boundary

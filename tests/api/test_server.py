@@ -41,7 +41,7 @@ def test_serve_takes_the_server_flags_with_their_defaults() -> None:
 
 def test_serve_takes_every_engine_flag() -> None:
     ns = serve_parser().parse_args(["serve"])
-    flags = {f.name for f in fields(EngineArgs)} - {"usage_context"}  # set by the verb, not a flag
+    flags = {f.name for f in fields(EngineArgs)}
     assert flags <= set(vars(ns))
     assert engine_args_from(ns) == EngineArgs()  # every engine default as LLM(...) has it
 
@@ -133,7 +133,7 @@ def test_run_server_hands_serve_the_config_settings_and_options(recorded: Record
         "--stay-up-on-engine-death"])
     assert server.run_server(ns) == 0
     [args] = recorded.engine_args
-    assert args == EngineArgs(model="/models/tiny.gguf", max_num_seqs=4, usage_context="serving")
+    assert args == EngineArgs(model="/models/tiny.gguf", max_num_seqs=4)
     [(config, settings, options)] = recorded.served
     assert config is CONFIG
     # An empty key is no key; a limit of 0 is no limit; the name comes from the model's file.
@@ -149,7 +149,7 @@ def test_run_server_keeps_given_names_key_and_limit(recorded: Recorded) -> None:
     assert settings == ServerSettings(served_model_names=("a", "b"), api_key="k", max_waiting_requests=1024)
     assert settings.model_name == "a"
     assert options == server.ServeOptions()
-    assert recorded.engine_args[0].model is None and recorded.engine_args[0].usage_context == "serving"
+    assert recorded.engine_args == [EngineArgs()]  # serve runs the engine as LLM(...) does
 
 
 def test_the_request_limits_are_flags_with_their_defaults(recorded: Recorded) -> None:

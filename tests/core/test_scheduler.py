@@ -182,7 +182,7 @@ def test_whole_prefill_that_does_not_fit_waits_and_blocks_those_behind_it() -> N
 
 
 def flood(options: dict[str, str] | None, num_steps: int = 40) -> list[int]:
-    """Running requests after each step, with 200 prompts of 508 tokens waiting under serve's
+    """Running requests after each step, with 200 prompts of 508 tokens waiting under a
     512-token budget and room for all of them in the KV cache."""
     scheduler = make_scheduler("fcfs", budget=512, seats=128, num_blocks=1 + 200 * 128, options=options)
     for i in range(200):

@@ -60,7 +60,7 @@ def _core(make_tiny_model: Callable[..., Path], **overrides: Any) -> EngineCore:
 def _timed_fit(make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
                truth: CostModel) -> tuple[CostModel, _TimedExecutor, EngineConfig]:
     """The start fit on the tiny model's workers whose steps take ``truth``'s time; their shapes; the config."""
-    core = _core(make_tiny_model, usage_context="serving", num_kv_blocks=64)
+    core = _core(make_tiny_model, target_itl_ms=100.0, num_kv_blocks=64)
     try:
         timed = _TimedExecutor(core.executor, truth)
         monkeypatch.setattr(start_fit, "time", SimpleNamespace(perf_counter=timed.perf_counter))
@@ -73,7 +73,7 @@ def _timed_fit(make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyP
 
 def test_the_fit_recovers_the_workers_step_costs_from_a_prompt_and_two_decode_batches(
         make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    core = _core(make_tiny_model, usage_context="serving", num_kv_blocks=64)
+    core = _core(make_tiny_model, target_itl_ms=100.0, num_kv_blocks=64)
     try:
         timed = _TimedExecutor(core.executor)
         monkeypatch.setattr(start_fit, "time", SimpleNamespace(perf_counter=timed.perf_counter))
@@ -102,20 +102,20 @@ def test_under_a_kernel_row_limit_a_batch_within_it_is_timed_too_and_its_rows_pr
     assert model.row_limit == 8
 
 
-def test_a_serving_engine_starts_its_latency_target_from_the_fit_and_an_offline_one_times_nothing(
+def test_an_engine_with_a_latency_target_starts_it_from_the_fit_and_one_without_times_nothing(
         make_tiny_model: Callable[..., Path]) -> None:
-    serving = _core(make_tiny_model, usage_context="serving", num_kv_blocks=64)
+    targeted = _core(make_tiny_model, target_itl_ms=100.0, num_kv_blocks=64)
     try:
-        assert serving.scheduler.step_budget is not None
-        assert serving.scheduler.step_budget.model.metadata["source"] == start_fit.SOURCE
-        assert not serving.scheduler.requests and serving.scheduler.allocator.num_free_blocks == 63
+        assert targeted.scheduler.step_budget is not None
+        assert targeted.scheduler.step_budget.model.metadata["source"] == start_fit.SOURCE
+        assert not targeted.scheduler.requests and targeted.scheduler.allocator.num_free_blocks == 63
     finally:
-        serving.shutdown()
-    offline = _core(make_tiny_model, num_kv_blocks=64)  # no latency target offline
+        targeted.shutdown()
+    untargeted = _core(make_tiny_model, num_kv_blocks=64)  # the default: no latency target
     try:
-        assert offline.scheduler.step_budget is None
+        assert untargeted.scheduler.step_budget is None
     finally:
-        offline.shutdown()
+        untargeted.shutdown()
 
 
 def test_a_simulated_engine_starts_from_the_model_the_engine_s_start_fit_makes_of_the_same_step_times(

@@ -11,7 +11,7 @@ import pytest
 import cadence.core.engine_core as engine_core_module
 from cadence.core.engine_core import EngineCore
 from cadence.core.warm_up import WarmUpStep, warm_up
-from cadence.engine_args import EngineArgs
+from cadence.engine_args import DEFAULT_TOKEN_BUDGET, EngineArgs
 from cadence.executor.base import UniExecutor
 from cadence.models.kv_groups import kv_cache_groups_of
 
@@ -22,18 +22,18 @@ def _config(make_tiny_model: Callable[..., Path], **overrides: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def serving_core(make_tiny_model: Callable[..., Path]) -> Any:
-    core = EngineCore.build(_config(make_tiny_model, usage_context="serving", num_kv_blocks=64))
+def targeted_core(make_tiny_model: Callable[..., Path]) -> Any:
+    core = EngineCore.build(_config(make_tiny_model, max_num_batched_tokens=512, target_itl_ms=100.0, num_kv_blocks=64))
     yield core
     core.shutdown()
 
 
-def test_serving_warm_up_runs_a_budget_prefill_a_mixed_step_and_decodes(serving_core: EngineCore) -> None:
-    config = serving_core.config
-    groups = kv_cache_groups_of(serving_core.hf_config, config.cache.hybrid_kv_cache)
-    steps = warm_up(serving_core.executor, config, serving_core.hf_config, groups.windows)
+def test_the_warm_up_runs_a_budget_prefill_a_mixed_step_and_decodes(targeted_core: EngineCore) -> None:
+    config = targeted_core.config
+    groups = kv_cache_groups_of(targeted_core.hf_config, config.cache.hybrid_kv_cache)
+    steps = warm_up(targeted_core.executor, config, targeted_core.hf_config, groups.windows)
     budget = config.scheduler.max_num_batched_tokens
-    long = min(512, budget, config.model.max_model_len - 2)
+    long = min(DEFAULT_TOKEN_BUDGET, budget, config.model.max_model_len - 2)
     # A step of the whole budget: the long prompt (and the first short one where the context
     # length keeps it under the budget); then its decode beside the short prompts (as much of them
     # as the latency target lets in), then decodes only, with the sampling paths the short ones take.
@@ -43,20 +43,20 @@ def test_serving_warm_up_runs_a_budget_prefill_a_mixed_step_and_decodes(serving_
     assert sum(s.num_tokens for s in steps) == long + 1 + 4 * (16 + 1)
 
 
-def test_the_warm_up_leaves_the_workers_and_the_engine_as_it_found_them(serving_core: EngineCore) -> None:
-    assert isinstance(serving_core.executor, UniExecutor)
-    assert serving_core.executor.worker.runner.states == {}
-    scheduler = serving_core.scheduler
+def test_the_warm_up_leaves_the_workers_and_the_engine_as_it_found_them(targeted_core: EngineCore) -> None:
+    assert isinstance(targeted_core.executor, UniExecutor)
+    assert targeted_core.executor.worker.runner.states == {}
+    scheduler = targeted_core.scheduler
     assert not scheduler.requests and not scheduler.has_work and scheduler.num_preemptions == 0
-    assert scheduler.allocator.num_free_blocks == serving_core.executor.num_blocks - 1
-    assert serving_core.scheduler.allocator.prefix_cache_queries == 0
+    assert scheduler.allocator.num_free_blocks == targeted_core.executor.num_blocks - 1
+    assert targeted_core.scheduler.allocator.prefix_cache_queries == 0
     if scheduler.step_budget is not None:
         assert scheduler.step_budget.model.metadata.get("source") != "refitted while running"
 
 
 def test_a_cache_too_small_for_the_short_prompts_warms_up_with_the_long_one(
         make_tiny_model: Callable[..., Path]) -> None:
-    config = _config(make_tiny_model, usage_context="serving", num_kv_blocks=4)
+    config = _config(make_tiny_model, target_itl_ms=100.0, num_kv_blocks=4)
     core = EngineCore.build(config)
     try:
         groups = kv_cache_groups_of(core.hf_config, config.cache.hybrid_kv_cache)

@@ -15,7 +15,7 @@ import pytest
 
 from cadence.core.cost_model import step_shape
 from cadence.core.scheduler import Scheduler
-from cadence.engine_args import DEFAULT_TARGET_ITL_MS, DEFAULT_TOKEN_BUDGET
+from cadence.engine_args import DEFAULT_TOKEN_BUDGET
 from cadence.messages import SchedulerOutput
 from cadence.policies.fcfs import FCFSPolicy
 from cadence.policies.loader import installed_policies
@@ -327,10 +327,8 @@ def test_simulate_models_a_server_with_serves_defaults_and_one_engine_core(
     # One scheduling trace per policy, named by its label.
     assert sorted(p.name for p in tmp_path.glob("why.*.jsonl")) == ["why.fcfs.jsonl", "why.sjf_aging=2.jsonl"]
     limits = json.loads((tmp_path / "results.json").read_text())["limits"]
-    assert (limits["max_num_batched_tokens"], limits["target_itl_ms"]) == (
-        DEFAULT_TOKEN_BUDGET["serving"], DEFAULT_TARGET_ITL_MS["serving"])
-    assert (EngineLimits().max_num_batched_tokens, EngineLimits().target_itl_ms) == (
-        DEFAULT_TOKEN_BUDGET["serving"], DEFAULT_TARGET_ITL_MS["serving"])
+    assert (limits["max_num_batched_tokens"], limits["target_itl_ms"]) == (DEFAULT_TOKEN_BUDGET, 0.0)
+    assert (EngineLimits().max_num_batched_tokens, EngineLimits().target_itl_ms) == (DEFAULT_TOKEN_BUDGET, 0.0)
     for flag in ("--data-parallel-size", "--tensor-parallel-size"):
         ns = _cli().parse_args(["simulate", "--model", folder, flag, "2", "--output-dir", str(tmp_path)])
         with pytest.raises(ValueError, match="engine cores of one rank each"):
