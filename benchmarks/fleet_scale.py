@@ -7,7 +7,7 @@ checks that both report the same, and prints the speed-up; then simulates the wh
 fast-forward and prints its wall time, steps and peak memory. Run it on a quiet machine; a benchmark,
 never a test:
 
-    python benchmarks/fleet_scale.py [--engines 64 --num-requests 1000000 --router least-loaded]
+    python benchmarks/fleet_scale.py [--engines 64 --num-requests 1000000 --router least-loaded --target-itl-ms 100]
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ def main() -> int:
     parser.add_argument("--input-len", default="lognormal:240:1")
     parser.add_argument("--output-len", default="lognormal:190:0.8")
     parser.add_argument("--cost-model", default=None, help="a fit (simulate calibrate); default: the built-in")
+    parser.add_argument("--target-itl-ms", type=float, default=EngineArgs.target_itl_ms,
+                        help="the engines' inter-token latency target (default: the engine's, off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
     cost_model = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
-    config = EngineArgs().create_config()
+    config = EngineArgs(target_itl_ms=args.target_itl_ms).create_config()
     limits = EngineLimits.from_engine_config(config)
 
     def run(workload: list[RequestSpec], engines: int, fast_forward: bool = True) -> SimResult:
