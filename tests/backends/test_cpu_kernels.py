@@ -125,8 +125,9 @@ def test_bf16_prefill_tiles_match_naive_attention(amx_path: bool, heads: int, kv
 @pytest.mark.parametrize("amx_path", [True, False], indirect=True)
 @pytest.mark.parametrize("window", [0, 20])
 def test_a_rows_bits_do_not_depend_on_its_tile(amx_path: bool, window: int) -> None:
-    """A prompt's rows attended in one call and as two chunks (so in other tiles: rows 0-15, 16-31,
-    32-35 against 0-5, then 6-21, 22-35) give the same bits, with and without a sliding window."""
+    """A prompt's rows attended in one call and as two chunks (so in other tiles: on the tile unit rows
+    0-31 and 32-35 against 0-5, then 6-35; on the fp32 path 0-15, 16-31, 32-35 against 0-5, then 6-21,
+    22-35) give the same bits, with and without a sliding window."""
     kv_heads, group, head_dim, block_size, rows = 2, 3, 64, 16, 36
     gen = torch.Generator().manual_seed(7)
     k, v = (torch.randn(kv_heads, 4, block_size, head_dim, generator=gen).to(torch.bfloat16) for _ in "kv")

@@ -15,7 +15,10 @@
 // - O = P V by TDPBF16PS: the A tile is P's 16 rows by 32 keys, a B tile 16 key pairs by 16 dims (two
 //   value rows interleaved); the rows are divided by their sums at the end.
 // Keys are walked in 32-key chunks aligned to the request's first key, whatever the tile, so a row's
-// sums are the same sequence of tile steps in any batch. P in bf16 is what flash attention on tiles
+// sums are the same sequence of tile steps in any batch. A call takes up to 32 rows: two row tiles,
+// which share each key and value tile loaded (those come from L2 past a few hundred keys, and the
+// products waited on them: 32 prompts' 64-token chunks over 1,088 cached keys took 175-179 ms for 30
+// layers against 206-212 with one row tile a call; the same bits). P in bf16 is what flash attention on tiles
 // does too; the fp32 path keeps probabilities in fp32 (the two differ by about 2^-9 relative).
 // attend_shared_prefixes (below) runs the same steps for decodes that share their first blocks: their
 // queries together over the shared keys, unnormalized, for paged_attention.cpp to merge with each
@@ -129,7 +132,7 @@ void take_chunk(const Shape& s, float* scores, int64_t stride, int64_t c, int64_
 }  // namespace
 
 AmxAttention::AmxAttention(const Shape& s, int64_t num_kv_heads)
-    : s_(s), packed_(num_kv_heads), q_(kAmxRows * s.chunks * 16) {}
+    : s_(s), packed_(num_kv_heads), q_(kMaxRows * s.chunks * 16) {}
 
 AmxAttention::~AmxAttention() {
   if (configured_) release_tiles();
@@ -146,16 +149,16 @@ void AmxAttention::attend(const at::BFloat16* q, int64_t rows, int64_t first_len
     // The head's rows as the A tiles; rows past the tile's keep what they held: a row of sums depends
     // on its own row alone, and those rows' outputs are never stored.
     for (int64_t i = 0; i < rows; ++i) std::memcpy(q_.data() + i * dim, q + i * s_.q_stride + g * dim, dim * 2);
-    int64_t lo[kAmxRows], hi[kAmxRows];  // each row's keys, from the tile's first
+    int64_t lo[kMaxRows], hi[kMaxRows];  // each row's keys, from the tile's first
     for (int64_t i = 0; i < rows; ++i) {
       lo[i] = s_.begin(first_len + i) - first;
       hi[i] = first_len + i - first;
     }
     score(p.keys.data() + (first - p.base) * dim / 2, width, rows, lo, hi);
-    float sums[kAmxRows];
+    float sums[kMaxRows];
     for (int64_t i = 0; i < rows; ++i) sums[i] = exponentials(i, lo[i], hi[i], width).sum;
     float* head_out = out + g * dim;
-    weigh(p.values.data() + (first - p.base) * dim, width, head_out, s_.group * dim);
+    weigh(p.values.data() + (first - p.base) * dim, width, rows, head_out, s_.group * dim);
     for (int64_t i = 0; i < rows; ++i) normalize(head_out + i * s_.group * dim, dim, sums[i]);
   }
 }
@@ -174,7 +177,7 @@ void AmxAttention::attend_shared(const at::BFloat16* const* queries, int64_t n, 
   std::fill_n(hi, n, shared);
   score(p.keys.data(), width, n, lo, hi);
   for (int64_t i = 0; i < n; ++i) norms[i] = exponentials(i, 0, shared, width);
-  weigh(p.values.data(), width, sums_.data(), dim);
+  weigh(p.values.data(), width, n, sums_.data(), dim);
   for (int64_t i = 0; i < n; ++i) std::memcpy(outs[i], sums_.data() + i * dim, dim * sizeof(float));
 }
 
@@ -188,8 +191,8 @@ void AmxAttention::prepare(int64_t width) {
   // Rows one 32-key chunk longer than the keys: a power-of-two row length put the 16 rows of a tile
   // in one L1 set (the scores took twice the time).
   stride_ = width + kChunk;
-  scores_.resize(kAmxRows * stride_);
-  probs_.resize(kAmxRows * stride_);
+  scores_.resize(kMaxRows * stride_);
+  probs_.resize(kMaxRows * stride_);
 }
 
 // Keys and values [first, end) of the request packed in p, from what it holds already where it can.
@@ -253,25 +256,43 @@ void AmxAttention::pack_values(Packed& p, int64_t first, int64_t end, const at::
   }
 }
 
-// scores_ [16][stride_] = q_ K^T over the packed keys from the tile's first; of rows [0, rows), each
-// seeing keys [lo[i], hi[i]) from there, tops_ their maxima (see take).
+// scores_ [kMaxRows][stride_] = q_ K^T over the packed keys from the tile's first; of rows [0, rows),
+// each seeing keys [lo[i], hi[i]) from there, tops_ their maxima (see take). Past 16 rows the second
+// row tile takes each key tile loaded as well: the products waited on those loads (from L2: 1,088
+// keys are 139 KB a KV head), not on each other. A row's sums are the same steps either way.
 void AmxAttention::score(const uint32_t* keys, int64_t width, int64_t rows, const int64_t* lo, const int64_t* hi) {
   const int64_t dim = s_.chunks * 16, half = 16 * dim / 2;  // one 16-key half of a chunk
-  __m512 top[kAmxRows];
+  const bool two = rows > kAmxRows;
+  const uint16_t* lower_q = q_.data() + kAmxRows * dim;
+  float* lower = scores_.data() + kAmxRows * stride_;  // the second row tile's scores
+  __m512 top[kMaxRows];
   for (int64_t i = 0; i < rows; ++i) top[i] = _mm512_set1_ps(-INFINITY);
   for (int64_t c = 0; c < width; c += kChunk) {
     const uint32_t* k = keys + c * dim / 2;
     _tile_zero(0);
     _tile_zero(1);
+    if (two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
     for (int64_t d = 0; d < dim / 32; ++d) {
-      _tile_loadd(2, q_.data() + 32 * d, dim * 2);
-      _tile_loadd(3, k + 256 * d, kAmxRowBytes);
-      _tile_loadd(4, k + half + 256 * d, kAmxRowBytes);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_dpbf16ps(1, 2, 4);
+      _tile_loadd(4, q_.data() + 32 * d, dim * 2);
+      _tile_loadd(6, k + 256 * d, kAmxRowBytes);
+      _tile_loadd(7, k + half + 256 * d, kAmxRowBytes);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, lower_q + 32 * d, dim * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
     _tile_stored(0, scores_.data() + c, stride_ * 4);
     _tile_stored(1, scores_.data() + c + 16, stride_ * 4);
+    if (two) {
+      _tile_stored(2, lower + c, stride_ * 4);
+      _tile_stored(3, lower + c + 16, stride_ * 4);
+    }
     take_chunk(s_, scores_.data(), stride_, c, rows, lo, hi, top);
   }
   for (int64_t i = 0; i < rows; ++i) tops_[i] = _mm512_reduce_max_ps(top[i]);
@@ -301,10 +322,37 @@ Normalizer AmxAttention::exponentials(int64_t row, int64_t lo, int64_t hi, int64
   return {top_score * scale, _mm512_reduce_add_ps(sum)};
 }
 
-// out [16][dim] (rows `out_stride` floats apart) = probs_ V over the packed values from the tile's first.
-void AmxAttention::weigh(const uint16_t* values, int64_t width, float* out, int64_t out_stride) {
+// out [rows][dim] (rows `out_stride` floats apart) = probs_ V over the packed values from the tile's
+// first. Past 16 rows, both row tiles take each value tile loaded (see score).
+void AmxAttention::weigh(const uint16_t* values, int64_t width, int64_t rows, float* out, int64_t out_stride) {
   const int64_t dim = s_.chunks * 16, stride = out_stride * 4;
   constexpr int64_t kGroup = 16 * 32;  // one B tile: 16 key pairs x 16 dims x 2
+  if (rows > kAmxRows) {
+    const uint16_t* lower = probs_.data() + kAmxRows * stride_;
+    float* lower_out = out + kAmxRows * out_stride;
+    for (int64_t g = 0; g < dim / 16; g += 2) {  // 2 tiles of 16 dims for each row tile
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < width; c += kChunk) {
+        const uint16_t* v = values + c * dim + g * kGroup;
+        _tile_loadd(4, probs_.data() + c, stride_ * 2);
+        _tile_loadd(6, v, kAmxRowBytes);
+        _tile_loadd(7, v + kGroup, kAmxRowBytes);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, lower + c, stride_ * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, out + 16 * g, stride);
+      _tile_stored(1, out + 16 * g + 16, stride);
+      _tile_stored(2, lower_out + 16 * g, stride);
+      _tile_stored(3, lower_out + 16 * g + 16, stride);
+    }
+    return;
+  }
   for (int64_t g = 0; g < dim / 16; g += 4) {  // 2 or 4 tiles of 16 dims at a time (dim: a multiple of 32)
     const bool four = g + 4 <= dim / 16;
     _tile_zero(0);
@@ -394,7 +442,7 @@ void AmxAttention::attend_decode(const at::BFloat16* q, int64_t first_key, int64
     if (k + kChunk + 16 < len) prefetch_block(key_row(values, blocks, k + kChunk + 16, s_), 16 * dim * 2);
     pack_values(decode_, k, len, values, blocks);
   }
-  weigh(decode_.values.data(), width, out, dim);
+  weigh(decode_.values.data(), width, kAmxRows, out, dim);  // out holds a whole tile's rows
   for (int64_t g = 0; g < s_.group; ++g) normalize(out + g * dim, dim, norms[g].sum);
 }
 

@@ -175,7 +175,8 @@ void weigh(const Shape s, const float* probs, const T* values, const int64_t* bl
   }
 }
 
-// Rows attended together: consecutive query rows of one request (a prefill chunk), at most this many.
+// Rows attended together: consecutive query rows of one request (a prefill chunk), at most this many
+// on the fp32 path (AmxAttention::kMaxRows on the tile unit).
 constexpr int64_t kTileRows = 16;
 // Tiles of at least this many rows take the tile unit, where they can (AmxAttention): 32 tiles over 200
 // keys each took 1.21x the fp32 path's time there at 2 rows, 0.84x at 4, 0.35x at 16.
@@ -187,11 +188,11 @@ struct Tile {
   int64_t count;
 };
 
-std::vector<Tile> tiles_of(const int64_t* requests, const int64_t* lens, int64_t num_rows) {
+std::vector<Tile> tiles_of(const int64_t* requests, const int64_t* lens, int64_t num_rows, int64_t max_rows) {
   std::vector<Tile> tiles;
   for (int64_t r = 0; r < num_rows;) {
     int64_t n = 1;
-    while (r + n < num_rows && n < kTileRows && requests[r + n] == requests[r] && lens[r + n] == lens[r] + n) ++n;
+    while (r + n < num_rows && n < max_rows && requests[r + n] == requests[r] && lens[r + n] == lens[r] + n) ++n;
     tiles.push_back({r, n});
     r += n;
   }
@@ -230,8 +231,8 @@ std::vector<int64_t> shares_of(const std::vector<Tile>& tiles, const int64_t* le
 // line: full-width loads that straddle two lines cost twice (decode attention ran 25% slower).
 class Scratch {
  public:
-  Scratch(const Shape s, int64_t longest) {
-    const int64_t dim = s.chunks * 16, queries = kTileRows * s.group;
+  Scratch(const Shape s, int64_t longest, int64_t tile_rows) {
+    const int64_t dim = s.chunks * 16, queries = tile_rows * s.group;
     const int64_t sizes[] = {queries * dim, queries * longest, queries * dim, dim * 16, 16 * dim};
     int64_t total = 0;
     for (const int64_t size : sizes) total += (size + 15) / 16 * 16;
@@ -360,9 +361,10 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
   const int64_t* requests = row_requests.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t longest = *std::max_element(lens, lens + num_rows);
-  const std::vector<Tile> tiles = tiles_of(requests, lens, num_rows);
   // A bf16 cache's prefill tiles go to the tile unit where the CPU has one (attention_amx.cpp).
   const bool amx = std::is_same_v<T, at::BFloat16> && dim % 32 == 0 && use_amx();
+  const int64_t tile_rows = amx ? AmxAttention::kMaxRows : kTileRows;
+  const std::vector<Tile> tiles = tiles_of(requests, lens, num_rows, tile_rows);
   SharedPrefixes shared;  // and decodes that share their first keys attend to those together first
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -377,7 +379,7 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
 #endif
   auto attend_tasks = [&](int64_t begin, int64_t end) {
     if (begin == end) return;
-    Scratch w(s, longest);
+    Scratch w(s, longest, tile_rows);
     std::vector<Normalizer> own(s.group);  // a decode's heads' normalizers
 #if defined(__AVX512F__)
     std::optional<AmxAttention> unit;  // made at this share's first task on the tile unit, if it has one

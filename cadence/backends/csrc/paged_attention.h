@@ -82,10 +82,13 @@ class AmxAttention {
   // and 16 keys from a multiple of 16 lie in one block.
   static bool takes_decodes(const Shape& s) { return s.group <= 16 && s.block_size % 16 == 0; }
 
-  // Rows [0, rows) (at most 16) of request `request`, at consecutive positions, the first seeing
+  // Rows a prefill call takes: two tiles of 16, which share each key and value tile loaded.
+  static constexpr int64_t kMaxRows = 32;
+
+  // Rows [0, rows) (at most kMaxRows) of request `request`, at consecutive positions, the first seeing
   // `first_len` keys, against KV head `head`: `q` is the first row's first query head of the KV head
   // (rows s.q_stride apart), `keys`/`values` the head's caches, `blocks` the request's block-table row.
-  // Writes the rows' outputs, fp32, to out [16][group][head_dim].
+  // Writes the rows' outputs, fp32, to out [kMaxRows][group][head_dim].
   void attend(const at::BFloat16* q, int64_t rows, int64_t first_len, int64_t request, int64_t head,
               const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks, float* out);
 
@@ -122,16 +125,16 @@ class AmxAttention {
   void prepare(int64_t width);
   void score(const uint32_t* keys, int64_t width, int64_t rows, const int64_t* lo, const int64_t* hi);
   Normalizer exponentials(int64_t row, int64_t lo, int64_t hi, int64_t width);
-  void weigh(const uint16_t* values, int64_t width, float* out, int64_t out_stride);
+  void weigh(const uint16_t* values, int64_t width, int64_t rows, float* out, int64_t out_stride);
 
   const Shape s_;
   std::vector<Packed> packed_;  // per KV head
   Packed decode_;               // the values of the decode attend_decode last attended
-  std::vector<uint16_t> q_;     // one query head's 16 rows, bf16: the scores' A tiles (a decode's B tiles)
+  std::vector<uint16_t> q_;     // one query head's 32 rows, bf16: the scores' A tiles (a decode's B tiles)
   int64_t stride_ = 0;          // elements between the rows of scores_ and probs_ for this tile
-  std::vector<float> scores_;   // [16][stride_]: the tile's keys from its first
-  std::vector<uint16_t> probs_;  // [16][stride_]: the exponentials, bf16, zero outside each row's keys
-  float tops_[16] = {};          // each row's largest score among its keys (score, attend_decode)
+  std::vector<float> scores_;   // [kMaxRows][stride_]: the tile's keys from its first
+  std::vector<uint16_t> probs_;  // [kMaxRows][stride_]: the exponentials, bf16, zero outside each row's keys
+  float tops_[kMaxRows] = {};    // each row's largest score among its keys (score, attend_decode)
   std::vector<float> sums_;      // [16][head_dim]: attend_shared's outputs before they go to their rows
   bool configured_ = false;
 };
