@@ -323,38 +323,16 @@ Normalizer AmxAttention::exponentials(int64_t row, int64_t lo, int64_t hi, int64
 }
 
 // out [rows][dim] (rows `out_stride` floats apart) = probs_ V over the packed values from the tile's
-// first. Past 16 rows, both row tiles take each value tile loaded (see score).
+// first. Sum tiles 0 and 1 take 32 dims of the first row tile; 2 and 3 the same dims of the second
+// past 16 rows, sharing each value tile loaded (see score), or else the next 32 dims.
 void AmxAttention::weigh(const uint16_t* values, int64_t width, int64_t rows, float* out, int64_t out_stride) {
   const int64_t dim = s_.chunks * 16, stride = out_stride * 4;
   constexpr int64_t kGroup = 16 * 32;  // one B tile: 16 key pairs x 16 dims x 2
-  if (rows > kAmxRows) {
-    const uint16_t* lower = probs_.data() + kAmxRows * stride_;
-    float* lower_out = out + kAmxRows * out_stride;
-    for (int64_t g = 0; g < dim / 16; g += 2) {  // 2 tiles of 16 dims for each row tile
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t c = 0; c < width; c += kChunk) {
-        const uint16_t* v = values + c * dim + g * kGroup;
-        _tile_loadd(4, probs_.data() + c, stride_ * 2);
-        _tile_loadd(6, v, kAmxRowBytes);
-        _tile_loadd(7, v + kGroup, kAmxRowBytes);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, lower + c, stride_ * 2);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, out + 16 * g, stride);
-      _tile_stored(1, out + 16 * g + 16, stride);
-      _tile_stored(2, lower_out + 16 * g, stride);
-      _tile_stored(3, lower_out + 16 * g + 16, stride);
-    }
-    return;
-  }
-  for (int64_t g = 0; g < dim / 16; g += 4) {  // 2 or 4 tiles of 16 dims at a time (dim: a multiple of 32)
-    const bool four = g + 4 <= dim / 16;
+  const bool two = rows > kAmxRows;
+  const uint16_t* lower = probs_.data() + kAmxRows * stride_;
+  float* lower_out = out + kAmxRows * out_stride;
+  for (int64_t g = 0; g < dim / 16; g += two ? 2 : 4) {  // g: the first of the pass's 16-dim groups
+    const bool four = !two && g + 4 <= dim / 16;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -362,20 +340,27 @@ void AmxAttention::weigh(const uint16_t* values, int64_t width, int64_t rows, fl
     for (int64_t c = 0; c < width; c += kChunk) {
       const uint16_t* v = values + c * dim + g * kGroup;
       _tile_loadd(4, probs_.data() + c, stride_ * 2);
-      _tile_loadd(5, v, kAmxRowBytes);
-      _tile_loadd(6, v + kGroup, kAmxRowBytes);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_dpbf16ps(1, 4, 6);
-      if (four) {
-        _tile_loadd(7, v + 2 * kGroup, kAmxRowBytes);
-        _tile_loadd(5, v + 3 * kGroup, kAmxRowBytes);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 4, 5);
+      _tile_loadd(6, v, kAmxRowBytes);
+      _tile_loadd(7, v + kGroup, kAmxRowBytes);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, lower + c, stride_ * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      } else if (four) {  // tile 5 is free here: one of these loads waits on a product, not two
+        _tile_loadd(5, v + 2 * kGroup, kAmxRowBytes);
+        _tile_loadd(6, v + 3 * kGroup, kAmxRowBytes);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
       }
     }
     _tile_stored(0, out + 16 * g, stride);
     _tile_stored(1, out + 16 * g + 16, stride);
-    if (four) {
+    if (two) {
+      _tile_stored(2, lower_out + 16 * g, stride);
+      _tile_stored(3, lower_out + 16 * g + 16, stride);
+    } else if (four) {
       _tile_stored(2, out + 16 * g + 32, stride);
       _tile_stored(3, out + 16 * g + 48, stride);
     }
