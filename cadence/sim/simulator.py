@@ -27,7 +27,7 @@ from cadence.core.scheduler import Scheduler
 from cadence.core.scheduling_trace import SchedulingTrace, ranked_path
 from cadence.core.speculation import SpecDecoding
 from cadence.engine.routers.base import Router, RouterContext, load_router
-from cadence.engine_args import DEFAULT_TOKEN_BUDGET
+from cadence.engine_args import DEFAULT_TOKEN_BUDGET, EngineArgs
 from cadence.messages import SpecDecodeStats
 from cadence.policies.base import PolicyContext, SchedulingPolicy
 from cadence.policies.clock import Clock, VirtualClock
@@ -60,7 +60,7 @@ class EngineLimits:
     max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    target_itl_ms: float = 0.0
+    target_itl_ms: float = EngineArgs.target_itl_ms
 
     def __post_init__(self) -> None:
         self.scheduler_config()  # the scheduler's own checks, raised at the boundary

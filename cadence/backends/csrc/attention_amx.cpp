@@ -18,8 +18,8 @@
 // sums are the same sequence of tile steps in any batch. A call takes up to 32 rows: two row tiles,
 // which share each key and value tile loaded (those come from L2 past a few hundred keys, and the
 // products waited on them: 32 prompts' 64-token chunks over 1,088 cached keys took 175-179 ms for 30
-// layers against 206-212 with one row tile a call; the same bits). P in bf16 is what flash attention on tiles
-// does too; the fp32 path keeps probabilities in fp32 (the two differ by about 2^-9 relative).
+// layers against 206-212 with one row tile a call; the same bits). P in bf16 is what flash attention
+// on tiles does too; the fp32 path keeps probabilities in fp32 (the two differ by about 2^-9 relative).
 // attend_shared_prefixes (below) runs the same steps for decodes that share their first blocks: their
 // queries together over the shared keys, unnormalized, for paged_attention.cpp to merge with each
 // decode's own keys (cascade attention).
