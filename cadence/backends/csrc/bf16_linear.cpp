@@ -19,7 +19,8 @@
 // (amx_linear below) wherever the input width is a multiple of 32: on 2 such cores, the same
 // benchmark gave 1,048 GFLOP/s at 64 rows against 231 by VDPBF16PS and 931 for oneDNN (which takes
 // AMX too), 1,740 at 2,048 rows (oneDNN 2,241), and one row 11.1 ms against 12.8 for the 30 layers.
-// Past 16 rows the tiles now go two row tiles by two column blocks with x streamed (amx_block_tiles):
+// Past 16 rows (64 since, but for gate/up with SiLU: kPanelRowsMax) the tiles now go two row tiles by
+// two column blocks with x streamed (amx_block_tiles):
 // on a slower hour of that VM, 1.12-1.21x oneDNN's speed at 64 rows (before: 0.75-0.85x) and
 // 0.88-0.98x at 2,048 (before: 0.83-0.87x), the same bits. Each unit of column blocks fetches the
 // next one's into L2 while it computes (UnitBlocks): a layer's four GEMMs, 30 layers in turn, took
@@ -133,6 +134,13 @@ namespace {
 using cadence::configure_tiles;
 using cadence::kAmxRows;
 constexpr int64_t kAmxPairs = 16;
+// Up to this many rows a thread owns whole panels and runs each over the rows 16 at a time: a panel
+// is one contiguous run of the weight, which the hardware prefetchers stream at the memory's speed
+// (the LM head's 57 MB at 22 GB/s up to 16 rows). Column blocks in pairs (below) read 64 bytes of every
+// 192 and streamed at 13-16 GB/s: 17 to 32 rows of the LM head took 3.1 ms by panels against 3.6-3.8,
+// 64 rows 4.0-4.2 against 4.2-4.4, and 30 layers at 64 rows 13.6-14.4 ms against 14.4-15.1. Past it
+// the pairs' reuse of each weight tile across rows wins.
+constexpr int64_t kPanelRowsMax = 64;
 
 // Rows [0, m) (m <= 16) of x (`x_stride` bf16 apart; 16 rows readable) against one panel.
 void amx_panel_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* panel, int64_t pairs,
@@ -273,9 +281,10 @@ void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at:
                 int64_t silu_half = 0) {
   const int64_t tail_first = rows - rows % kAmxRows;
   const int64_t blocks = (out_features + kBlockCols - 1) / kBlockCols;  // those past it are padding
-  // Up to 16 rows a thread owns whole panels (the weights' stream decides there); past that, pairs
-  // of column blocks: two side by side, or a gate block and its up block.
-  const bool by_blocks = rows > kAmxRows, silu = silu_half > 0;
+  // Up to kPanelRowsMax rows a thread owns whole panels (the weights' stream decides there), or up to
+  // 16 for gate/up with SiLU; past that, pairs of column blocks: two side by side, or a gate block
+  // and its up block.
+  const bool silu = silu_half > 0, by_blocks = silu ? rows > kAmxRows : rows > kPanelRowsMax;
   const int64_t units = silu ? silu_half / kBlockCols : (blocks + 1) / 2;
   at::parallel_for(0, by_blocks ? units : panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();  // tile state is per thread
@@ -294,9 +303,11 @@ void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at:
     const auto tile_stride = [&](int64_t r0) { return r0 < tail_first ? x_stride : 2 * pairs; };
     if (!by_blocks) {
       for (int64_t j = begin; j < end; ++j) {
-        amx_panel_rows(tile_rows(0), tile_stride(0), packed + j * pairs * kPanelCols * 2, pairs, out + j * kPanelCols,
-                       out_features, rows, std::min(kPanelCols, out_features - j * kPanelCols),
-                       bias ? bias + j * kPanelCols : nullptr, sums);
+        for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+          amx_panel_rows(tile_rows(r0), tile_stride(r0), packed + j * pairs * kPanelCols * 2, pairs,
+                         out + r0 * out_features + j * kPanelCols, out_features, std::min(kAmxRows, rows - r0),
+                         std::min(kPanelCols, out_features - j * kPanelCols), bias ? bias + j * kPanelCols : nullptr, sums);
+        }
       }
     }
     // Unit j's column blocks: two side by side, or a gate block and its up block.
