@@ -101,7 +101,7 @@ def test_bf16_gemm_reads_strided_and_misaligned_rows(amx_path: bool) -> None:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gate_up_gemm_with_silu_is_the_two_kernels(half: int, in_features: int, with_bias: bool,
                                                   amx_path: bool) -> None:
-    # bf16_linear_silu does silu_and_mul in the gate/up GEMM's epilogue past 16 rows on the tile unit
+    # bf16_linear_silu does silu_and_mul in the gate/up GEMM's epilogue past 32 rows on the tile unit
     # where each half is whole 16-column blocks (48, 96; 40 is not), and runs the two kernels elsewhere:
     # the same bits either way, each row group's stores done inside the next group's tile loop.
     ops = cpu_ops()

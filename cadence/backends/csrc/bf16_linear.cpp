@@ -19,8 +19,8 @@
 // (amx_linear below) wherever the input width is a multiple of 32: on 2 such cores, the same
 // benchmark gave 1,048 GFLOP/s at 64 rows against 231 by VDPBF16PS and 931 for oneDNN (which takes
 // AMX too), 1,740 at 2,048 rows (oneDNN 2,241), and one row 11.1 ms against 12.8 for the 30 layers.
-// Past 16 rows (64 since, but for gate/up with SiLU: kPanelRowsMax) the tiles now go two row tiles by
-// two column blocks with x streamed (amx_block_tiles):
+// Past 16 rows (since, past kPanelRowsMax; gate/up with SiLU past kSiluPanelRowsMax) the tiles now go
+// two row tiles by two column blocks with x streamed (amx_block_tiles):
 // on a slower hour of that VM, 1.12-1.21x oneDNN's speed at 64 rows (before: 0.75-0.85x) and
 // 0.88-0.98x at 2,048 (before: 0.83-0.87x), the same bits. Each unit of column blocks fetches the
 // next one's into L2 while it computes (UnitBlocks): a layer's four GEMMs, 30 layers in turn, took
@@ -141,6 +141,10 @@ constexpr int64_t kAmxPairs = 16;
 // 64 rows 4.0-4.2 against 4.2-4.4, and 30 layers at 64 rows 13.6-14.4 ms against 14.4-15.1. Past it
 // the pairs' reuse of each weight tile across rows wins.
 constexpr int64_t kPanelRowsMax = 64;
+// Up to this many rows gate/up goes by panels too, then through silu_and_mul (the same bits as the
+// fused pass): 30 layers' GEMMs at 17 rows 11.2-11.3 ms against 12.2-12.7 fused, at 32 rows 10.5-10.7
+// against 11.0-11.4; at 64 rows the fused pass won (12.5-13.1 against 13.7-14.1).
+constexpr int64_t kSiluPanelRowsMax = 32;
 
 // Rows [0, m) (m <= 16) of x (`x_stride` bf16 apart; 16 rows readable) against one panel.
 void amx_panel_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* panel, int64_t pairs,
@@ -274,17 +278,17 @@ void amx_block_tiles(const at::BFloat16* const* a, const int64_t* a_stride, cons
 }
 
 // bf16_linear's AMX path: x [rows, 2 * pairs] with unit column stride, pairs a multiple of 16. With
-// `silu_half` (a multiple of 16, and more than 16 rows) the weight's rows are a gate half and an up
+// `silu_half` (a multiple of 16) the weight's rows are a gate half and an up
 // half of that many each, and out [rows, silu_half] gets silu(gate) * up.
 void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* packed, int64_t panels,
                 int64_t pairs, at::BFloat16* out, int64_t out_features, const at::BFloat16* bias,
                 int64_t silu_half = 0) {
   const int64_t tail_first = rows - rows % kAmxRows;
   const int64_t blocks = (out_features + kBlockCols - 1) / kBlockCols;  // those past it are padding
-  // Up to kPanelRowsMax rows a thread owns whole panels (the weights' stream decides there), or up to
-  // 16 for gate/up with SiLU; past that, pairs of column blocks: two side by side, or a gate block
-  // and its up block.
-  const bool silu = silu_half > 0, by_blocks = silu ? rows > kAmxRows : rows > kPanelRowsMax;
+  // Up to kPanelRowsMax rows a thread owns whole panels (the weights' stream decides there); past
+  // that, and always for gate/up with SiLU (which bf16_linear_silu sends past kSiluPanelRowsMax rows),
+  // pairs of column blocks: two side by side, or a gate block and its up block.
+  const bool silu = silu_half > 0, by_blocks = silu || rows > kPanelRowsMax;
   const int64_t units = silu ? silu_half / kBlockCols : (blocks + 1) / 2;
   at::parallel_for(0, by_blocks ? units : panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();  // tile state is per thread
@@ -432,8 +436,8 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c
 }
 
 // silu_and_mul(bf16_linear(x, packed, bias, out_features)) of a fused [gate | up] weight: [M, out_features / 2].
-// Past 16 rows on the AMX path, with halves of whole column blocks, in one pass (amx_linear's
-// silu_half): the same bits, without writing the gate/up output and reading it back.
+// Past kSiluPanelRowsMax rows on the AMX path, with halves of whole column blocks, in one pass
+// (amx_linear's silu_half): the same bits, without writing the gate/up output and reading it back.
 at::Tensor bf16_linear_silu(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t out_features) {
   TORCH_CHECK(out_features % 2 == 0, "bf16_linear_silu: the weight's rows must be a gate half and an up half");
@@ -441,7 +445,7 @@ at::Tensor bf16_linear_silu(const at::Tensor& x_in, const at::Tensor& packed, co
   const int64_t rows = x.size(0), half = out_features / 2;
   at::Tensor out = at::empty({rows, half}, x.options());
 #if defined(__AVX512F__)
-  if (rows > kAmxRows && half % kBlockCols == 0 && packed.size(1) % kAmxPairs == 0 && cadence::use_amx()) {
+  if (rows > kSiluPanelRowsMax && half % kBlockCols == 0 && packed.size(1) % kAmxPairs == 0 && cadence::use_amx()) {
     amx_linear(x.data_ptr<at::BFloat16>(), x.stride(0), rows, packed.data_ptr<at::BFloat16>(), packed.size(0),
                packed.size(1), out.data_ptr<at::BFloat16>(), out_features,
                bias ? bias->data_ptr<at::BFloat16>() : nullptr, half);
