@@ -19,8 +19,8 @@
 // (amx_linear below) wherever the input width is a multiple of 32: on 2 such cores, the same
 // benchmark gave 1,048 GFLOP/s at 64 rows against 231 by VDPBF16PS and 931 for oneDNN (which takes
 // AMX too), 1,740 at 2,048 rows (oneDNN 2,241), and one row 11.1 ms against 12.8 for the 30 layers.
-// Past 16 rows (since, past kPanelRowsMax; gate/up with SiLU past kSiluPanelRowsMax) the tiles now go
-// two row tiles by two column blocks with x streamed (amx_block_tiles):
+// Past 16 rows (since 2026-12-06: past kPanelRowsMax, or kSiluPanelRowsMax for gate/up with SiLU) the
+// tiles go two row tiles by two column blocks with x streamed (amx_block_tiles):
 // on a slower hour of that VM, 1.12-1.21x oneDNN's speed at 64 rows (before: 0.75-0.85x) and
 // 0.88-0.98x at 2,048 (before: 0.83-0.87x), the same bits. Each unit of column blocks fetches the
 // next one's into L2 while it computes (UnitBlocks): a layer's four GEMMs, 30 layers in turn, took
@@ -231,8 +231,8 @@ struct PendingRows {
 
 // A unit's column blocks (the second may be absent). A thread fetches its next unit's into L2 a few
 // lines per tile step while this one computes: a unit's blocks are 64 bytes of every 192 of their
-// panels, which the hardware prefetchers do not run ahead on, and past 16 rows each unit would
-// otherwise begin by waiting on memory for them.
+// panels, which the hardware prefetchers do not run ahead on, and each unit would otherwise begin by
+// waiting on memory for them.
 struct UnitBlocks {
   const at::BFloat16* block[2] = {nullptr, nullptr};
   int64_t next = 0, end = 0;  // lines: [0, pairs) the first block's, [pairs, 2 pairs) the second's
@@ -278,8 +278,8 @@ void amx_block_tiles(const at::BFloat16* const* a, const int64_t* a_stride, cons
 }
 
 // bf16_linear's AMX path: x [rows, 2 * pairs] with unit column stride, pairs a multiple of 16. With
-// `silu_half` (a multiple of 16) the weight's rows are a gate half and an up
-// half of that many each, and out [rows, silu_half] gets silu(gate) * up.
+// `silu_half` (a multiple of 16) the weight's rows are a gate half and an up half of that many each,
+// and out [rows, silu_half] gets silu(gate) * up.
 void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* packed, int64_t panels,
                 int64_t pairs, at::BFloat16* out, int64_t out_features, const at::BFloat16* bias,
                 int64_t silu_half = 0) {
