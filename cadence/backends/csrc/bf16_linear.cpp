@@ -315,8 +315,9 @@ void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at:
       }
     }
     // Unit j's column blocks: two side by side, or a gate block and its up block.
+    const auto first_block = [&](int64_t j) { return silu ? j : 2 * j; };
     const auto unit_blocks = [&](int64_t j) {
-      const int64_t first = silu ? j : 2 * j, second = silu ? j + units : 2 * j + 1;
+      const int64_t first = first_block(j), second = silu ? j + units : 2 * j + 1;
       return UnitBlocks{{column_block(packed, pairs, first), second < blocks ? column_block(packed, pairs, second) : nullptr},
                         0, second < blocks ? 2 * pairs : pairs};
     };
@@ -326,12 +327,12 @@ void amx_linear(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at:
       const int64_t block_end = std::min(rows, first_row + kRowBlock);
       const int64_t block_steps = (block_end - first_row + 2 * kAmxRows - 1) / (2 * kAmxRows) * (pairs / kAmxPairs);
       for (int64_t j = begin; j < end; ++j) {
-        const int64_t col = (silu ? j : 2 * j) * kBlockCols;
+        const int64_t col = first_block(j) * kBlockCols;
         const int64_t cols = silu ? kBlockCols : std::min(2 * kBlockCols, out_features - col);
         const int64_t out_stride = silu ? silu_half : out_features;
         const UnitBlocks own = unit_blocks(j);
-        const bool two_blocks = own.block[1] != nullptr;
-        const at::BFloat16* b[2] = {own.block[0], own.block[1]};
+        const at::BFloat16* const* b = own.block;
+        const bool two_blocks = b[1] != nullptr;
         // The next unit this thread runs: the next one here, or its first in the next row block.
         const bool last_unit = j + 1 == end;
         UnitBlocks fetch = last_unit && block_end == rows ? UnitBlocks{} : unit_blocks(last_unit ? begin : j + 1);
