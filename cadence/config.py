@@ -297,11 +297,24 @@ class EngineConfig:
                      f" must be at least max_model_len ({self.model.max_model_len}) so every prompt fits a step")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: ``taskset``, a container's cpuset), else
+    every core the machine has."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """Intra-op threads when ``--num-threads`` is not given: ``$OMP_NUM_THREADS`` where set to a
+    positive number (as torch and every OpenMP program read it), else every usable core."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else usable_cores()
+
+
 def threads_per_rank(device: DeviceConfig, parallel: ParallelConfig) -> int:
-    """``--num-threads``, else an equal share of the machine's cores for each worker of every
+    """``--num-threads``, else an equal share of the default threads for each worker of every
     engine core (tensor times data parallel): processes that each use every core run several
     times slower than one."""
-    return device.num_threads or max(1, (os.cpu_count() or 1) // parallel.world_size_across_dp)
+    return device.num_threads or max(1, default_threads() // parallel.world_size_across_dp)
 
 
 def cache_dir() -> Path:

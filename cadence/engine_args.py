@@ -99,7 +99,8 @@ class EngineArgs:
     max_cpu_loras: int | None = field(default=None, metadata=_flag(
         "LoRA adapters each worker keeps loaded (default: --max-loras)"))
     device: str = field(default="cpu", metadata=_flag("torch device to run on"))
-    num_threads: int | None = field(default=None, metadata=_flag("torch threads (default: all cores)"))
+    num_threads: int | None = field(default=None, metadata=_flag(
+        "torch threads (default: $OMP_NUM_THREADS, else every usable core)"))
     attention_backend: str | None = field(default=None, metadata=_flag(
         "sdpa, triton, flash_attn (default: by device)"))
     tensor_parallel_size: int = field(default=1, metadata=_flag("ranks the model is sharded over", aliases=["-tp"]))

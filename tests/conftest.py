@@ -6,6 +6,7 @@ parsers (``tool_chat_server``), OpenAI's spec (``spec``), and the C++ kernels' p
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ import torch
 from support.openai_spec import OpenAISpec
 from support.tiny_models import build_tiny_model
 from support.tool_chat import TEMPLATE
+
+from cadence.config import usable_cores
 
 
 @pytest.fixture(scope="session")
@@ -60,10 +63,20 @@ def tool_chat_server(serve_tiny: Callable[..., contextlib.AbstractContextManager
         yield process
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (README's test command runs two workers) each worker's engines and servers
+    get an equal share of the cores (``OMP_NUM_THREADS``, which cadence's default thread count reads
+    and every process a test starts inherits): two workers' engines that each took every core would
+    stall each other at OpenMP's barriers."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // workers)))
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread() -> None:
     """Tiny models: a second intra-op thread only adds synchronisation, and stalls badly on a busy
-    machine. Tests of the real model ask for their threads explicitly (``LLM(num_threads=...)``)."""
+    machine. Tests of the real model take cadence's default (``default_threads()``)."""
     torch.set_num_threads(1)
 
 

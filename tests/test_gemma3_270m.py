@@ -33,7 +33,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(model=GEMMA3_270M, dtype="float32", num_threads=2)
+    return LLM(model=GEMMA3_270M, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import torch
 from support.reference import hf_greedy
 
 from cadence import LLM, SamplingParams
+from cadence.config import default_threads
 from cadence.models.loader import resolve_model
 from cadence.models.truncation import truncate_model
 
@@ -30,7 +31,7 @@ TEXTS = ["Hello, my name is", "def fibonacci(n):", PARAGRAPH * 4 + "In summary,"
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32", num_threads=2)
+    return LLM(dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def prompts(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(prompts: list[list[int]]) -> list[list[int]]:
-    torch.set_num_threads(2)
+    torch.set_num_threads(default_threads())
     return hf_greedy(resolve_model(None), prompts, NEW_TOKENS)
 
 
@@ -54,7 +55,7 @@ def test_prompt_lengths_cover_5_to_400_tokens(prompts: list[list[int]]) -> None:
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "alone"])
 def test_greedy_matches_transformers(llm: LLM, prompts: list[list[int]], reference: list[list[int]],
                                      batched: bool) -> None:
-    torch.set_num_threads(2)
+    torch.set_num_threads(default_threads())
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     if batched:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -64,7 +65,7 @@ def test_greedy_matches_transformers(llm: LLM, prompts: list[list[int]], referen
 
 
 def test_chunked_prefill_matches_transformers(prompts: list[list[int]], reference: list[list[int]]) -> None:
-    small_budget = LLM(dtype="float32", num_threads=2, max_num_batched_tokens=64, enable_prefix_caching=False)
+    small_budget = LLM(dtype="float32", max_num_batched_tokens=64, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in small_budget.generate(prompts, params, use_tqdm=False)]
     assert got == reference
@@ -80,7 +81,7 @@ def test_speculative_decoding_matches_transformers(prompts: list[list[int]], ref
     if method == "draft_model":
         draft = truncate_model(resolve_model(None), tmp_path / "draft", 12)
         config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
-    spec = LLM(dtype="float32", num_threads=2, speculative_config=config)
+    spec = LLM(dtype="float32", speculative_config=config)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got = [spec.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert got == reference

@@ -76,7 +76,7 @@ SAMPLED: dict[str, Any] = {"temperature": 0.8, "seed": 7}
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="bfloat16", num_threads=2)
+    return LLM(dtype="bfloat16")
 
 
 def chat(llm: LLM, content: str) -> list[int]:
@@ -144,7 +144,7 @@ def test_unconstrained_outputs_do_not_change_with_constrained_neighbours() -> No
     # GEMM with K=1536 (the MLP's down projection) rounds differently above ~24 rows, so in bf16 a
     # near-tie can flip a token with no mask involved; in fp32 such differences stay ~1e-7, far
     # below any masked logit.
-    llm = LLM(dtype="float32", num_threads=2)
+    llm = LLM(dtype="float32")
     free = [chat(llm, q) for q in ["Write a haiku about autumn.", "What is 2+2?", "Tell me about Paris.",
                                    "Explain gravity in one sentence."]]
     free_params = [SamplingParams(max_tokens=32, ignore_eos=True, **GREEDY),

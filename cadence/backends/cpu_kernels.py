@@ -46,7 +46,7 @@ from typing import IO, Any, TextIO
 
 import torch
 
-from cadence.config import cache_dir
+from cadence.config import cache_dir, usable_cores
 from cadence.startup_log import startup
 
 fcntl: ModuleType | None
@@ -331,8 +331,7 @@ def _needs_build(build_dir: Path, key: str, library: _Library) -> bool:
 def build_estimate_s(library: _Library | None = None) -> int:
     """About how long the build takes on this machine's cores, in seconds (rounded to 5)."""
     library = library or _main()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    estimate = max(library.slowest_source_s, library.build_cpu_s / min(cores, len(library.sources)))
+    estimate = max(library.slowest_source_s, library.build_cpu_s / min(usable_cores(), len(library.sources)))
     return 5 * math.ceil(estimate / 5)
 
 

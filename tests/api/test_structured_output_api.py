@@ -32,7 +32,7 @@ RESPONSE_FORMAT: Any = {"type": "json_schema", "json_schema": {"name": "person",
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--dtype", "bfloat16", "--num-threads", "2", "--served-model-name", MODEL]
+    args = ["--dtype", "bfloat16", "--served-model-name", MODEL]
     with ServerProcess(args, log_path=tmp_path_factory.mktemp("server") / "server.log") as process:
         yield process
         assert process.stop() == 0, process.log()

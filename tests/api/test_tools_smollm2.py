@@ -38,7 +38,7 @@ SEEDS = range(10)
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    args = ["--dtype", "bfloat16", "--num-threads", "2", "--served-model-name", MODEL,
+    args = ["--dtype", "bfloat16", "--served-model-name", MODEL,
             "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
     with ServerProcess(args, log_path=tmp_path_factory.mktemp("server") / "server.log") as process:
         yield openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0)

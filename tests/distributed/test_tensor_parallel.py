@@ -75,12 +75,21 @@ def test_each_engine_cores_ranks_take_their_own_devices() -> None:
 
 
 def test_the_cores_are_split_among_every_rank_of_every_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
     auto = DeviceConfig()
     assert threads_per_rank(auto, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)) == 4
     assert threads_per_rank(auto, ParallelConfig(tensor_parallel_size=4)) == 4
     assert threads_per_rank(auto, ParallelConfig(data_parallel_size=32)) == 1  # never none
     assert threads_per_rank(DeviceConfig(num_threads=3), ParallelConfig(tensor_parallel_size=2)) == 3
+
+
+@pytest.mark.parametrize(("omp", "threads"), [("6", 3), ("1", 1), ("0", 8), ("", 8), ("two", 8)])
+def test_omp_num_threads_replaces_the_usable_cores_where_it_is_a_positive_number(
+        monkeypatch: pytest.MonkeyPatch, omp: str, threads: int) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))  # cpu_count may be larger
+    assert threads_per_rank(DeviceConfig(), ParallelConfig(tensor_parallel_size=2)) == threads
 
 
 def test_a_data_parallel_rank_outside_the_engine_cores_is_refused() -> None:

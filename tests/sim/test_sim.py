@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cadence.config import default_threads
 from cadence.core.cost_model import step_shape
 from cadence.core.scheduler import Scheduler
 from cadence.engine_args import DEFAULT_TOKEN_BUDGET
@@ -350,8 +350,8 @@ def test_calibrate_verb_writes_a_cost_model_the_simulator_loads(
     assert "step_time_s = " in capsys.readouterr().out
     # Also stored as this machine's fit for the model, dtype, quantization and threads.
     (stored,) = (tmp_path / "fits").iterdir()
-    assert stored.name == f"{Path(folder).name}-float32-none-{os.cpu_count()}t.json"
-    assert stored == FitKey(Path(folder).name, "float32", "none", os.cpu_count() or 1).path
+    assert stored.name == f"{Path(folder).name}-float32-none-{default_threads()}t.json"
+    assert stored == FitKey(Path(folder).name, "float32", "none", default_threads()).path
     assert CostModel.load(stored) == model
 
 
