@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import tempfile
@@ -32,6 +31,7 @@ from cadence.executor.base import Executor, WorkerError
 from cadence.executor.worker_process import WorkerAddresses, worker_main
 from cadence.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailed, WorkerReady, WorkerReply
 from cadence.runtime.codec import Codec
+from cadence.runtime.fork_server import forked_process
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ _LAST_WORDS_MS = 1000
 
 
 class MultiprocExecutor(Executor):
-    """Starts ``tensor_parallel_size`` worker processes (spawn) and waits until all are ready.
+    """Starts ``tensor_parallel_size`` worker processes (forked from this process's fork server, with
+    the engine's modules imported) and waits until all are ready.
 
     :raises WorkerError: a worker failed or died while starting (the others are stopped).
     """
@@ -64,10 +65,8 @@ class MultiprocExecutor(Executor):
         self._replies.bind(addresses.replies)
         self._step_codec: Codec[SchedulerOutput] = Codec(SchedulerOutput)
         self._reply_codec: Codec[WorkerReply] = Codec(WorkerReply)
-        spawn = multiprocessing.get_context("spawn")
         self.processes: list[BaseProcess] = [
-            spawn.Process(target=worker_main, args=(config, rank, addresses), name=f"cadence-worker-{rank}",
-                          daemon=True)
+            forked_process(worker_main, (config, rank, addresses), name=f"cadence-worker-{rank}", daemon=True)
             for rank in range(self.world_size)
         ]
         files = [f"{stem}-{name}" for name in ("steps", "replies", "rendezvous")]

@@ -1,5 +1,6 @@
 """The engine cores' fork server: one process that has imported the engine's modules, from which
-each engine core is forked ready to build its engine.
+each engine core is forked ready to build its engine, and each tensor-parallel rank ready to load
+its shard (from its engine core's own server: a child of a server is not a client of it).
 
 A spawned engine core is a fresh interpreter that imports torch, transformers and the model code
 before it can load a weight: 8-9 s on the 2-core machine, on the critical path of every start, after
