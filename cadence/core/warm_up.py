@@ -5,8 +5,8 @@ on first use, oneDNN builds a primitive for each new matmul shape, the allocator
 to a big step's activations, the sampler's paths (greedy, top-p/top-k, penalties, logprobs) run
 their first kernels. Without a warm-up the first burst after start pays all of that inside its
 users' first tokens. So before ready the engine core runs scratch requests through its own workers:
-a prefill the size of the token budget, a step of several prompts, a step that mixes a
-decode with prefills, and decode-only steps, sampled each way.
+a prefill of up to 512 tokens alone, a step that mixes its decode with several short prompts'
+prefills, and decode-only steps, sampled each way.
 
 The scratch requests go through a scheduler and KV allocator of their own over the workers' cache
 (empty at start: nothing is overwritten), so the engine's scheduler, policy, prefix cache and step
@@ -27,7 +27,6 @@ from cadence.config import EngineConfig
 from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
-from cadence.engine_args import DEFAULT_TOKEN_BUDGET
 from cadence.executor.base import Executor
 from cadence.policies.base import PolicyContext
 from cadence.policies.clock import WallClock
@@ -37,9 +36,11 @@ from cadence.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# The longest scratch prompt: the default token budget, a burst's first steps. A larger budget's first
-# full step still touches the rest of its buffers for the first time, which is small beside such a step.
-_MAX_PREFILL = DEFAULT_TOKEN_BUDGET
+# The longest scratch prompt. A bigger step's first run only touches more of the same buffers for the
+# first time, which is small beside such a step: on a 2-core AVX2 CPU in float32 a 2,048-token
+# warm-up prefill took 4 of the 5.6 s before ready, and the first burst of 2,048 tokens after a
+# 512-token warm-up ran as fast as the later ones (docs/performance.md, "The first burst after start").
+_MAX_PREFILL = 512
 _SHORT_PROMPT, _SHORT_OUTPUT = 16, 2  # four of these fit a latency target of 100 ms beside a decode
 _MAX_STEPS = 64  # a guard: the scratch requests take three steps
 # The short prompts: each way a token is chosen (greedy, top-p and top-k, penalties, logprobs).
@@ -68,8 +69,10 @@ def warm_up(executor: Executor, config: EngineConfig, hf_config: PretrainedConfi
     started = time.perf_counter()
     scheduler = scratch_scheduler(executor, config, windows)
     allocator = scheduler.allocator
-    for request in _requests(config, hf_config.vocab_size, allocator.capacity_tokens // config.cache.block_size):
-        scheduler.add_request(request)
+    long, *short = _requests(config, hf_config.vocab_size, allocator.capacity_tokens // config.cache.block_size)
+    # The long prompt has the first step to itself whatever the budget; the short ones come after it,
+    # so that they prefill beside its decode (or its next chunk).
+    scheduler.add_request(long)
     steps: list[WarmUpStep] = []
     for _ in range(_MAX_STEPS):  # the last step has nothing to run: it tells the workers what finished
         if not scheduler.has_work:
@@ -78,6 +81,9 @@ def warm_up(executor: Executor, config: EngineConfig, hf_config: PretrainedConfi
         if step.num_scheduled_tokens:
             steps.append(_classify(step.num_scheduled_tokens, scheduler))
         scheduler.update_from_output(executor.execute_model(step))
+        for request in short:
+            scheduler.add_request(request)
+        short = []
     else:  # never on a sound engine: drop what is left rather than start with it
         scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
         executor.execute_model(scheduler.schedule())
@@ -102,8 +108,8 @@ def _requests(config: EngineConfig, vocab_size: int, free_blocks: int) -> list[R
     num_short = min(len(_SAMPLING), config.scheduler.max_num_seqs - 1, free_blocks // (2 * short_blocks))
     room = (free_blocks - num_short * short_blocks) * block_size - 2  # the long prompt's two tokens out
     prefill = max(1, min(_MAX_PREFILL, config.scheduler.max_num_batched_tokens, max_len - 2, room))
-    # The long prompt first (FCFS): alone in a step of the whole budget, then a decode beside the
-    # short prompts' prefills; they decode together after.
+    # The long prompt first: alone in a step, then a decode beside the short prompts' prefills; they
+    # decode together after.
     prompts = [(prefill, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))]
     prompts += [(min(_SHORT_PROMPT, max_len - _SHORT_OUTPUT), params) for params in _SAMPLING[:num_short]]
     return [Request(f"warm-up-{i}", [(7 * j + i + 1) % vocab_size for j in range(length)], params,
