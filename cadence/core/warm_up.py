@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 # The longest scratch prompt. A bigger step's first run only touches more of the same buffers for the
 # first time, which is small beside such a step: on a 2-core AVX2 CPU in float32 a 2,048-token
-# warm-up prefill took 4 of the 5.6 s before ready, and the first burst of 2,048 tokens after a
+# warm-up prefill took about 4 of the warm-up's 5.6 s, and the first burst of 2,048 tokens after a
 # 512-token warm-up ran as fast as the later ones (docs/performance.md, "The first burst after start").
 _MAX_PREFILL = 512
 _SHORT_PROMPT, _SHORT_OUTPUT = 16, 2  # four of these fit a latency target of 100 ms beside a decode
