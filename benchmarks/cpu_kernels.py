@@ -2,8 +2,11 @@
 
 - GEMM: every bf16 linear of the 30 layers plus the LM head, each layer with its own weight (so
   the weights stream from memory as in a real step), at 1, 16, 64 and 2,048 rows: cadence's GEMM
-  (``csrc/bf16_linear.cpp``; on a CPU with AMX both its paths, AMX tiles and VDPBF16PS) against
-  oneDNN's prepacked GEMM (which takes AMX where the CPU has it) and plain ``F.linear``.
+  (``csrc/bf16_linear.cpp``; on a CPU with AMX both its paths, AMX tiles and VDPBF16PS), or on a
+  CPU without AVX512-BF16 the AVX2 one (``csrc/bf16_linear_avx2.cpp``), against oneDNN's prepacked
+  GEMM (bf16 where oneDNN has it, which takes AMX where the CPU has it; float32, what a float32 model
+  runs, where it does not) and plain ``F.linear`` (bf16; up to 64 rows where oneDNN lacks bf16, as
+  it then takes minutes at 2,048).
 - argmax: the sampler's greedy choice over a [64, 49152] fp32 batch, against ``torch.argmax``.
 - decode attention: 64 requests x 200 tokens of context, 30 layers, read through a block table
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
@@ -14,7 +17,7 @@
   or in blocks of their own.
 
 Prints milliseconds (the median of the repeats), GFLOP/s for the GEMMs, and cadence's speed-up.
-Needs a CPU with AVX-512 (the GEMM also AVX512-BF16). A benchmark, never a test.
+Needs a CPU with AVX-512 or AVX2. A benchmark, never a test.
 
     python benchmarks/cpu_kernels.py [--num-threads 2 --repeats 5]
 """
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cadence.backends import dense_gemm
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.executor.malloc_tuning import keep_freed_memory
 
@@ -50,36 +54,42 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def bench_gemm(ops: Any, rows: int, repeats: int) -> None:
+    """``ops``: the library whose ``bf16_linear`` is cadence's GEMM here (``cadence_cpu`` or ``cadence_avx2``)."""
     weights = [[torch.randn(n, k, dtype=torch.bfloat16) * 0.05 for _ in range(copies)] for n, k, copies in GEMMS]
-    inputs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k, _ in GEMMS]
+    onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    dtype = torch.bfloat16 if onednn_bf16 else torch.float32  # oneDNN's weights: bf16, or a float32 model's
+    inputs = {d: [torch.randn(rows, k).to(d) for _, k, _ in GEMMS] for d in {torch.bfloat16, dtype}}
     ours = [[ops.pack_bf16_linear(w) for w in group] for group in weights]
-    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in group] for group in weights]
-    calls: dict[str, Callable[[torch.Tensor, int], object]] = {
-        "F.linear": lambda x, i: F.linear(x, weights[i // LAYERS][i % LAYERS]),
-        "oneDNN prepacked": lambda x, i: torch.ops.mkldnn._linear_pointwise(
-            x, onednn[i // LAYERS][i % LAYERS], None, "none", [], ""),
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 64) for w in group] for group in weights]
+    baseline = f"oneDNN prepacked {'bf16' if onednn_bf16 else 'float32'}"
+    calls: dict[str, tuple[torch.dtype, Callable[[torch.Tensor, int], object]]] = {
+        baseline: (dtype, lambda x, i: torch.ops.mkldnn._linear_pointwise(
+            x, onednn[i // LAYERS][i % LAYERS], None, "none", [], "")),
     }
+    if onednn_bf16 or rows <= 64:
+        calls["F.linear bf16"] = (torch.bfloat16, lambda x, i: F.linear(x, weights[i // LAYERS][i % LAYERS]))
 
     def ours_call(x: torch.Tensor, i: int) -> object:
         return ops.bf16_linear(x, ours[i // LAYERS][i % LAYERS], None, GEMMS[i // LAYERS][0])
 
-    def step(call: Callable[[torch.Tensor, int], object]) -> None:
+    def step(dtype: torch.dtype, call: Callable[[torch.Tensor, int], object]) -> None:
         for group, (_, _, copies) in enumerate(GEMMS):  # outputs are dropped at once, as in a forward
             for copy in range(copies):
-                call(inputs[group], group * LAYERS + copy)
+                call(inputs[dtype][group], group * LAYERS + copy)
 
-    times = {name: median_ms(functools.partial(step, call), repeats) for name, call in calls.items()}
-    paths = {"cadence AMX": True, "cadence VDPBF16PS": False}
+    times = {name: median_ms(functools.partial(step, *call), repeats) for name, call in calls.items()}
+    paths = {"cadence AMX": True, "cadence VDPBF16PS": False} if hasattr(ops, "use_amx") else {"cadence AVX2": None}
     for name, amx in paths.items():
-        if ops.use_amx(amx) == amx:  # the AMX path only where the CPU has it
-            times[name] = median_ms(functools.partial(step, ours_call), repeats)
-    ops.use_amx(True)
+        if amx is None or ops.use_amx(amx) == amx:  # the AMX path only where the CPU has it
+            times[name] = median_ms(functools.partial(step, torch.bfloat16, ours_call), repeats)
+    if hasattr(ops, "use_amx"):
+        ops.use_amx(True)
     flops = sum(2 * rows * n * k * copies for n, k, copies in GEMMS)
     for name, ms in times.items():
-        print(f"  GEMM {rows:>5} rows  {name:<20} {ms:8.2f} ms  {flops / ms / 1e6:6.0f} GFLOP/s")
+        print(f"  GEMM {rows:>5} rows  {name:<24} {ms:8.2f} ms  {flops / ms / 1e6:6.0f} GFLOP/s")
     for name in (name for name in paths if name in times):  # the table's order
-        print(f"  GEMM {rows:>5} rows  {name} vs oneDNN: {times['oneDNN prepacked'] / times[name]:.2f}x,"
-              f" vs F.linear: {times['F.linear'] / times[name]:.2f}x")
+        against = [f"vs {other}: {ms / times[name]:.2f}x" for other, ms in times.items() if other in calls]
+        print(f"  GEMM {rows:>5} rows  {name} {', '.join(against)}")
 
 
 def bench_argmax(ops: Any, repeats: int) -> None:
@@ -167,13 +177,11 @@ def main() -> None:
     keep_freed_memory()  # as the engine's workers do: large outputs reuse memory instead of faulting
     ops = cpu_ops()
     if ops is None:
-        raise SystemExit("cadence's CPU kernels do not run on this machine (they need AVX-512)")
+        raise SystemExit("cadence's CPU kernels do not run on this machine (they need AVX-512 or AVX2)")
     print(f"cadence CPU kernels, {ns.num_threads} threads, median of {ns.repeats}")
-    if ops.bf16_linear_supported():
-        for rows in (1, 16, 64, 2048):
-            bench_gemm(ops, rows, ns.repeats)
-    else:
-        print("  GEMM: skipped, the CPU has no AVX512-BF16")
+    gemm = ops if ops.bf16_linear_supported() else dense_gemm.avx2_ops_with_bf16()
+    for rows in (1, 16, 64, 2048):
+        bench_gemm(gemm, rows, ns.repeats)
     bench_argmax(ops, ns.repeats)
     bench_attention(ops, ns.repeats)
     bench_prefill_attention(ops, ns.repeats)

@@ -96,6 +96,20 @@ def amx_path(request: pytest.FixtureRequest) -> Iterator[bool]:
 
 
 @pytest.fixture
+def avx2_bf16_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights packed as on a CPU with AVX2 alone (backends/dense_gemm.py): no AVX512-BF16 GEMM, and
+    oneDNN without bf16 (float32 it keeps), so bf16 weights take the AVX2 GEMM's panels; skips
+    where that GEMM does not run."""
+    from cadence.backends import dense_gemm, onednn
+
+    if dense_gemm.avx2_ops_with_bf16() is None:
+        pytest.skip("the CPU lacks AVX2 and FMA")
+    monkeypatch.setattr(dense_gemm, "has_bf16_panels", lambda: False)
+    packs = onednn.packs
+    monkeypatch.setattr(onednn, "packs", lambda dtype, device: dtype != torch.bfloat16 and packs(dtype, device))
+
+
+@pytest.fixture
 def kill_mid_generation() -> Callable[[Any, int], BaseException | None]:
     """``kill(llm, pid) -> what generate raised``: a long greedy request runs in a thread while the
     worker ``pid`` is paused (SIGSTOP) before it comes, so neither the request nor its first step

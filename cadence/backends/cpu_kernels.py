@@ -20,7 +20,8 @@ one's build, and saying so; holding it, a torch ``lock`` file there was left by 
 which torch would wait forever: it is removed, with a warning.
 With AVX2 but not AVX-512 the same sources build over SIMDe (``csrc/vec.h``), where the VNNI and
 BF16 GEMMs say they do not run; ``quant_linear_avx2.cpp``, equal to ``quant_linear.cpp`` bit for bit,
-is a library of its own for any CPU with AVX2 (:func:`avx2_ops`). Where no kernels run (neither
+and ``bf16_linear_avx2.cpp``, the bf16 GEMM of CPUs without AVX512-BF16, are a library of their own
+for any CPU with AVX2 (:func:`avx2_ops`). Where no kernels run (neither
 instruction set, no compiler, a failed build) :func:`cpu_ops` returns None and callers keep their
 torch-op path, after one warning that says why.
 """
@@ -66,7 +67,7 @@ _SOURCES = ("paged_attention.cpp", "attention_amx.cpp", "layer_ops.cpp", "bf16_l
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
 _LDFLAGS = ["-fopenmp"]
 _AVX2_NAME = "cadence_cpu_avx2"
-_AVX2_SOURCES = ("quant_linear_avx2.cpp",)
+_AVX2_SOURCES = ("quant_linear_avx2.cpp", "bf16_linear_avx2.cpp")
 _AVX2_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 # On the 2-core AVX2 machine (2026-12-03): its one file 41 s; the main kernels over SIMDe 178 s of
 # wall time (242 CPU-seconds, unevenly over the cores: these make that the 2-core estimate).
@@ -121,7 +122,7 @@ def _main_over_avx2() -> _Library:
 
 
 def _avx2() -> _Library:
-    return _Library(_AVX2_NAME, _AVX2_SOURCES, tuple(_AVX2_FLAGS), "the AVX2 quantized-linear kernel",
+    return _Library(_AVX2_NAME, _AVX2_SOURCES, tuple(_AVX2_FLAGS), "the AVX2 kernels",
                     _AVX2_BUILD_S, _AVX2_BUILD_S)
 
 
@@ -139,7 +140,8 @@ def cpu_ops() -> Any | None:
 @functools.cache
 def avx2_ops() -> Any | None:
     """``torch.ops.cadence_avx2`` (``quant_linear_supported``, ``quant_linear``: the signature of
-    ``cadence_cpu``'s), or None where the CPU lacks AVX2, FMA or F16C or the build failed."""
+    ``cadence_cpu``'s; ``bf16_linear_supported``, ``pack_bf16_linear``, ``bf16_linear``), or None
+    where the CPU lacks AVX2, FMA or F16C or the build failed."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not _load(_avx2()):
         return None
     ops = torch.ops.cadence_avx2

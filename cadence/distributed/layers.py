@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.backends import onednn
+from cadence.backends import dense_gemm
 from cadence.backends.cpu_kernels import cpu_ops
 from cadence.distributed.group import ParallelGroup
 from cadence.distributed.partition import Split
@@ -260,25 +260,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix | QuantizedRo
     """
     if isinstance(weight, QuantizedMatrix | QuantizedRowStack):
         return quantized_linear(x, weight, bias)
-    if weight.is_mkldnn:
-        return onednn.linear(x, weight, bias)
-    if weight.dim() == 4:
-        rows = x.reshape(-1, x.shape[-1])
-        return cast(Any, cpu_ops()).bf16_linear(rows, weight, bias, out_features).view(*x.shape[:-1], out_features)
-    return F.linear(x, weight, bias)
+    return dense_gemm.linear(x, weight, bias, out_features)
 
 
 def pack_weights(model: nn.Module, int8: bool = False) -> None:
     """Prepack a loaded CPU model's GEMM weights once, for cadence's bf16 GEMM or else oneDNN's.
 
-    On CPUs with AVX512-BF16 bf16 weights go into the panel layout of ``csrc/bf16_linear.cpp``, whose
-    GEMM runs a batch-64 decode step's linears here in 18-19 ms against oneDNN's 24-25 ms. Elsewhere
-    bf16 weights (where oneDNN has bf16 support) and float32 ones (on x86) go into oneDNN's blocked
-    layout (``backends/onednn.py``: faster than MKL's float32 GEMM, and bf16 F.linear would have
-    oneDNN reorder the whole weight on every call). The packed tensor replaces the linear layers'
-    weights (no second copy); the embedding keeps its plain table for lookups and packs a copy for
-    the LM head, while an untied LM head (``lookups=False``) is packed in place. Does nothing for
-    other dtypes or devices. Loading weights after packing is not supported.
+    Float weights go into the layout of the fastest GEMM here (``backends/dense_gemm.py``: cadence's
+    bf16 GEMM's panels, oneDNN's blocked layout, or the AVX2 bf16 GEMM's panels). The packed tensor
+    replaces the linear layers' weights (no second copy); the embedding keeps its plain table for
+    lookups and packs a copy for the LM head, while an untied LM head (``lookups=False``) is packed
+    in place. Does nothing where no GEMM packs the dtype or device. Loading weights after packing is
+    not supported.
 
     Weights staged quantized (:class:`QuantizedCheckpointTensor`) are packed for the quantized
     linear instead, and with ``int8`` (``--quantization int8``) so are the float weights of the
@@ -294,12 +287,12 @@ def pack_weights(model: nn.Module, int8: bool = False) -> None:
             del module.weight
             setattr(module, "weight", quantized.to(device))  # noqa: B010
             continue
-        if not _packable(module.weight):
+        if not dense_gemm.packs(module.weight):
             continue
         if isinstance(module, VocabParallelEmbedding) and module.lookups:
-            module.packed_lm_head = _pack(module.weight)  # the lookups need the plain table
+            module.packed_lm_head = dense_gemm.pack(module.weight)  # the lookups need the plain table
         else:
-            module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
+            module.weight = nn.Parameter(dense_gemm.pack(module.weight), requires_grad=False)
 
 
 def _quantized(module: ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding,
@@ -328,31 +321,3 @@ def _zero_rows(codes: BlockCodes, rows: int) -> BlockCodes:
     extra = rows - codes.shape[0]
     return BlockCodes(F.pad(codes.codes, (0, 0, 0, extra)), F.pad(codes.scale, (0, 0, 0, extra)),
                       F.pad(codes.minimum, (0, 0, 0, extra)), codes.bits, codes.block)
-
-
-def prepacked(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of ``weight`` in the layout :func:`linear` runs fastest here (as :func:`pack_weights`
-    packs a layer's), or ``weight`` itself where neither GEMM packs it (fp32 off x86, another device)."""
-    return _pack(weight) if _packable(weight) else weight
-
-
-def _packable(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.is_mkldnn:
-        return False
-    return _fits_bf16_gemm(weight) or onednn.packs(weight.dtype, weight.device)
-
-
-def _fits_bf16_gemm(weight: torch.Tensor) -> bool:
-    # cadence's GEMM takes bf16 alone, and reads input features in pairs, so it needs an even count
-    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and _has_bf16_gemm()
-
-
-def _has_bf16_gemm() -> bool:
-    ops = cpu_ops()
-    return ops is not None and bool(ops.bf16_linear_supported())
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    if _fits_bf16_gemm(weight):
-        return cast(Any, cpu_ops()).pack_bf16_linear(weight.detach())
-    return onednn.pack(weight)

@@ -37,7 +37,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cadence.distributed.layers import linear, prepacked
+from cadence.backends.dense_gemm import prepacked
+from cadence.distributed.layers import linear
 from cadence.lora.adapter import LoRAWeights
 
 # Rows from which a step runs segmented. Measured on SmolLM2 (bf16, 2 threads, 4 slots of rank 16):

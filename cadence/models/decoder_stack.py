@@ -148,7 +148,7 @@ def _native_linear(module: ColumnParallelLinear | RowParallelLinear, dtype: torc
         dense = [] if limit is None else [p.dense(dtype) for p in parts]
         return new(_QUANT, [p.packed for p in parts] + dense, bias, [*numbers, -1 if limit is None else limit],
                    out_features)
-    return new(_PANELS if weight.dim() == 4 else _DENSE, [weight], bias, [], out_features)
+    return new(_PANELS if weight.dim() > 2 else _DENSE, [weight], bias, [], out_features)  # panels: 4-D or 3-D
 
 
 def _classes() -> Any:

@@ -16,9 +16,9 @@ Numerics follow Hugging Face transformers (``modeling_mixtral.py``, ``modeling_q
 Weights are stacked ``[E, 2 * I, H]`` (each expert's gate rows, then its up rows) and ``[E, H, I]``,
 and load from either checkpoint layout: one tensor per expert and projection (``experts.3.w1.weight``,
 ``experts.3.gate_proj.weight`` ...), or transformers 5's stacked ``experts.gate_up_proj`` /
-``experts.down_proj``. In bf16 on a CPU with AVX512-BF16 each expert's matrices are then prepacked for
-cadence's GEMM (``backends/csrc/bf16_linear.cpp``, :meth:`StackedExperts.pack`), stacked as
-``[E, panels, pairs, 48, 2]``; elsewhere they stay plain and run through ``F.linear``.
+``experts.down_proj``. In bf16, where one of cadence's bf16 GEMMs runs (``backends/dense_gemm.py``: AVX512-BF16,
+or AVX2 where oneDNN lacks bf16), each expert's matrices are then prepacked into its panels and
+stacked (:meth:`StackedExperts.pack`); elsewhere they stay plain and run through ``F.linear``.
 
 Under tensor parallelism each rank holds its contiguous share of every expert's intermediate
 dimension (and of the shared expert's): column-parallel gate/up, row-parallel down. The router and
@@ -37,7 +37,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends import dense_gemm
 from cadence.distributed.group import SINGLE_RANK, ParallelGroup
 from cadence.distributed.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, linear
 from cadence.distributed.partition import even_split
@@ -156,15 +156,14 @@ class StackedExperts(nn.Module):
         return [("gate_up_proj", s) for s in range(2 * experts)]
 
     def pack(self) -> None:
-        """Prepack each expert's matrices for cadence's bf16 GEMM (as
-        :func:`~cadence.distributed.layers.pack_weights` does the dense layers'): bf16 on a CPU with
-        AVX512-BF16 only, and only matrices with an even number of input features; a no-op otherwise.
-        Loading after packing is not supported."""
+        """Prepack each expert's matrices into a bf16 GEMM's panels (as
+        :func:`~cadence.distributed.layers.pack_weights` does the dense layers'), where
+        ``dense_gemm.packs_into_panels`` says one takes them; a no-op otherwise. Loading after packing
+        is not supported."""
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(self, name)
-            if _packable(weight):
-                ops: Any = cpu_ops()
-                packed = torch.stack([ops.pack_bf16_linear(w) for w in weight.detach()])
+            if weight.dim() == 3 and dense_gemm.packs_into_panels(weight[0]):
+                packed = torch.stack([dense_gemm.pack(w) for w in weight.detach()])
                 setattr(self, name, nn.Parameter(packed, requires_grad=False))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -195,13 +194,6 @@ class StackedExperts(nn.Module):
             gate, up = gate_up.split(cols, dim=-1)
             act = self.act(gate) * up
         return linear(act, self.down_proj[expert], None, self.hidden_size)
-
-
-def _packable(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 3 or weight.shape[2] % 2:
-        return False
-    ops = cpu_ops()  # cadence's GEMM reads input features in pairs, hence the even count
-    return ops is not None and bool(ops.bf16_linear_supported())
 
 
 class SharedExpert(nn.Module):

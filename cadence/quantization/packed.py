@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from cadence.backends import onednn
+from cadence.backends import dense_gemm, onednn
 from cadence.backends.cpu_kernels import KERNEL_DTYPES, avx2_ops, cpu_ops, runs_kernels
 from cadence.quantization.blocks import BlockCodes, concat_rows, symmetric
 
@@ -66,13 +66,15 @@ class QuantizedMatrix:
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight dequantized to ``dtype`` (in oneDNN's layout where that GEMM runs it:
-        ``backends/onednn.py``), computed on the first call and kept for the later ones."""
+        ``backends/onednn.py``, else as ``backends/dense_gemm.py`` packs it), computed on the first
+        call and kept for the later ones."""
         kept: dict[torch.dtype, torch.Tensor] = self.__dict__.setdefault("_dense", {})  # frozen: no setattr
         if dtype not in kept:
             device = self.packed.device
             _say_dequantized_once(device, dtype, kernel_available())
             weight = dequantize(self, dtype)
-            kept[dtype] = onednn.pack(weight) if onednn.packs(dtype, device) else weight
+            # oneDNN first where it packs the dtype: the row limits below were measured against it
+            kept[dtype] = onednn.pack(weight) if onednn.packs(dtype, device) else dense_gemm.prepacked(weight)
         return kept[dtype]
 
 
@@ -346,6 +348,5 @@ def kernel_linear(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor |
 
 def dense_linear(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` by a float GEMM over the weight dequantized to ``x``'s dtype, once
-    (:meth:`QuantizedMatrix.dense`): oneDNN's where it packed the weight, else ``F.linear``."""
-    dense = matrix.dense(x.dtype)
-    return onednn.linear(x, dense, bias) if dense.is_mkldnn else F.linear(x, dense, bias)
+    (:meth:`QuantizedMatrix.dense`), as ``backends/dense_gemm.py`` runs its layout."""
+    return dense_gemm.linear(x, matrix.dense(x.dtype), bias, matrix.rows)

@@ -1,7 +1,9 @@
 """Prepacked GEMM weights for CPU models: cadence's bf16 GEMM (``csrc/bf16_linear.cpp``): its
 VDPBF16PS path exact to the instruction's arithmetic, its AMX path within the output's rounding of
-the exact product and batch-invariant; and oneDNN's packed layout where it is missing (bf16: bit for
-bit F.linear) and for float32 on x86."""
+the exact product and batch-invariant; oneDNN's packed layout where it is missing (bf16: bit for
+bit F.linear) and for float32 on x86; and the bf16 GEMM of CPUs with AVX2 alone
+(``csrc/bf16_linear_avx2.cpp``), exactly a chain of float32 FMAs whatever the batch, which
+``backends/dense_gemm.py`` packs bf16 weights for where neither of the others runs."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.backends import onednn
+from cadence.backends import dense_gemm, onednn
 from cadence.backends.cpu_kernels import cpu_ops
-from cadence.distributed import even_split, layers
+from cadence.distributed import even_split
 from cadence.distributed.group import SINGLE_RANK
 from cadence.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pack_weights
 
@@ -22,6 +24,7 @@ needs_bf16_onednn = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supp
                                        reason="this CPU has no oneDNN bf16 GEMM, so nothing is packed")
 needs_bf16_gemm = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().bf16_linear_supported(),
                                      reason="this CPU has no AVX512-BF16")
+needs_avx2_gemm = pytest.mark.skipif(dense_gemm.avx2_ops_with_bf16() is None, reason="the CPU lacks AVX2 and FMA")
 
 
 def _dot_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -163,7 +166,7 @@ def test_packed_layers_run_the_bf16_gemm() -> None:
 
 @needs_bf16_onednn
 def test_onednn_packed_layers_give_f_linear_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(layers, "_has_bf16_gemm", lambda: False)  # as on a CPU without AVX512-BF16
+    monkeypatch.setattr(dense_gemm, "has_bf16_panels", lambda: False)  # as on a CPU without AVX512-BF16
     layers_ = _layers(torch.bfloat16)
     column, row, vocab, head = layers_
     x, wide = torch.randn(5, 24, dtype=torch.bfloat16), torch.randn(5, 48, dtype=torch.bfloat16)
@@ -195,7 +198,7 @@ def test_odd_input_widths_go_to_onednn() -> None:
 def test_float32_layers_take_onednn_s_gemm_on_x86(bf16_gemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where oneDNN packs float32 (x86), the layers run its GEMM over the packed weight; its sums round
     differently from F.linear's (MKL's), within float32's precision. Elsewhere they stay plain."""
-    monkeypatch.setattr(layers, "_has_bf16_gemm", lambda: bf16_gemm)
+    monkeypatch.setattr(dense_gemm, "has_bf16_panels", lambda: bf16_gemm)
     layers_ = _layers(torch.float32)
     column, row, vocab, head = layers_
     x, wide, ids = torch.randn(5, 24), torch.randn(5, 48), torch.tensor([3, 36])
@@ -217,3 +220,108 @@ def test_float32_layers_take_onednn_s_gemm_on_x86(bf16_gemm: bool, monkeypatch: 
     if packs:
         with pytest.raises(ValueError, match="load weights before packing"):
             row.load("weight", torch.zeros(24, 48), 0)
+
+
+# 1-2 rows go against 4 / 2 panels a tile, 3-4 against one, 5+ in tiles of 4 and a tail; 300 rows of
+# 576 features cross a block of rows (256 KB of float32)
+_AVX2_ROWS = [1, 2, 3, 4, 5, 9, 33, 300]
+_AVX2_SHAPES = [(1, 1), (15, 17), (16, 64), (47, 576), (130, 96)]
+
+
+def _fma_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` as the kernel computes it from bf16 ``x``: per output a float32 sum that
+    adds the exact product (bf16 times bf16 is exact in float32) of each input feature in turn, the
+    bias, then one rounding to ``x``'s dtype."""
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(x.shape[1]):
+        acc = acc + xf[:, k, None] * wf[None, :, k]
+    return (acc if bias is None else acc + bias.float()).to(x.dtype)
+
+
+@needs_avx2_gemm
+@pytest.mark.parametrize("rows", _AVX2_ROWS)
+@pytest.mark.parametrize(("out_features", "in_features"), _AVX2_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_avx2_gemm_s_bf16_rows_are_exactly_a_chain_of_fmas(rows: int, out_features: int, in_features: int,
+                                               with_bias: bool) -> None:
+    ops = dense_gemm.avx2_ops_with_bf16()
+    torch.manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    got = ops.bf16_linear(x, ops.pack_bf16_linear(weight), bias, out_features)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    assert torch.equal(got, _fma_chain(x, weight, bias))
+
+
+@needs_avx2_gemm
+@pytest.mark.parametrize(("out_features", "in_features"), _AVX2_SHAPES)
+def test_avx2_gemm_s_float32_rows_are_within_float32_rounding_and_batch_invariant(out_features: int,
+                                                                                   in_features: int) -> None:
+    ops = dense_gemm.avx2_ops_with_bf16()
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features)
+    x = torch.randn(max(_AVX2_ROWS), in_features)
+    packed = ops.pack_bf16_linear(weight)
+    got = ops.bf16_linear(x, packed, bias, out_features)
+    assert got.dtype == torch.float32
+    exact = x.double() @ weight.double().T + bias.double()
+    scale = x.double().abs() @ weight.double().abs().T + bias.double().abs()  # what the sum's roundings scale with
+    assert ((got.double() - exact).abs() <= (in_features + 1) * 2.0 ** -24 * scale).all()  # an FMA each, the bias
+    for rows in _AVX2_ROWS:  # one chain per output whatever the tile: a row's bits do not depend on its neighbours
+        assert torch.equal(ops.bf16_linear(x[:rows], packed, bias, out_features), got[:rows])
+    assert torch.equal(ops.bf16_linear(x[7:8], packed, bias, out_features), got[7:8])
+
+
+@needs_avx2_gemm
+def test_avx2_gemm_reads_strided_rows_as_their_values() -> None:
+    ops = dense_gemm.avx2_ops_with_bf16()
+    weight = torch.randn(24, 40, dtype=torch.bfloat16)
+    wide = torch.randn(6, 90, dtype=torch.bfloat16)
+    x = wide[:, 3:43]  # rows 90 apart, starting off any alignment
+    packed = ops.pack_bf16_linear(weight)
+    assert torch.equal(ops.bf16_linear(x, packed, None, 24), ops.bf16_linear(x.contiguous(), packed, None, 24))
+
+
+@needs_avx2_gemm
+def test_avx2_gemm_rejects_what_it_cannot_read() -> None:
+    ops = dense_gemm.avx2_ops_with_bf16()
+    weight = torch.randn(20, 32, dtype=torch.bfloat16)
+    packed = ops.pack_bf16_linear(weight)
+    assert packed.shape == (2, 32, 16)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="pack_bf16_linear of 40 rows"):
+        ops.bf16_linear(x, packed, None, 40)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 32\]"):
+        ops.bf16_linear(torch.randn(3, 31, dtype=torch.bfloat16), packed, None, 20)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 32\] float32 or bfloat16"):
+        ops.bf16_linear(x.half(), packed, None, 20)
+    with pytest.raises(RuntimeError, match="bias must be dense"):
+        ops.bf16_linear(x, packed, torch.randn(20), 20)  # float32 bias for bf16 rows
+    with pytest.raises(RuntimeError, match="must be \\[out_features, in_features\\] bf16"):
+        ops.pack_bf16_linear(weight.float())
+    assert ops.bf16_linear(x[:0], packed, None, 20).shape == (0, 20)
+
+
+def test_a_model_s_bf16_layers_run_the_avx2_panels(avx2_bf16_panels: None) -> None:
+    layers_ = _layers(torch.bfloat16)
+    column, row, vocab, head = layers_
+    x, wide = torch.randn(2, 5, 24, dtype=torch.bfloat16), torch.randn(5, 48, dtype=torch.bfloat16)
+    ids, flat = torch.tensor([3, 36]), x.flatten(0, 1)
+    expected = (_fma_chain(flat, column.weight, column.bias).view(2, 5, 53), _fma_chain(wide, row.weight, None),
+                _fma_chain(flat, vocab.weight, None), F.embedding(ids, vocab.weight),
+                _fma_chain(flat, head.weight, None))
+    pack_weights(layers_)
+    assert column.weight.dim() == 3 and row.weight.dim() == 3 and vocab.packed_lm_head.dim() == 3
+    assert vocab.weight.dim() == 2 and head.weight.dim() == 3  # the lookup table stays plain
+    got = (column(x), row(wide), vocab.logits(flat), vocab(ids), head.logits(flat))
+    for want, have in zip(expected, got, strict=True):
+        assert torch.equal(want, have)
+
+
+def test_float32_weights_stay_with_onednn_beside_the_avx2_panels(avx2_bf16_panels: None) -> None:
+    weight = torch.randn(16, 8)
+    assert dense_gemm.packs(weight) == onednn.packs(torch.float32, weight.device)
+    assert dense_gemm.prepacked(weight).dim() == 2  # oneDNN's (x86) or the plain weight

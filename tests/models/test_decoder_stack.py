@@ -81,6 +81,17 @@ def test_the_stack_is_the_layer_loop_bit_for_bit(make_tiny_model: Callable[..., 
     _both_ways(_load(make_tiny_model(model_type, **overrides), dtype, quantization))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_the_stack_runs_the_avx2_bf16_panels_as_the_loop(make_tiny_model: Callable[..., Path], arch: str,
+                                                         avx2_bf16_panels: None) -> None:
+    """bf16 weights in the AVX2 GEMM's panels (3-D): Llama's gate/up then goes without the AVX512-BF16
+    GEMM's SiLU epilogue, through the GEMM and silu_and_mul as the loop does."""
+    model_type, overrides = _ARCHS[arch]
+    model = _load(make_tiny_model(model_type, **overrides), torch.bfloat16)
+    assert model.model.layers[0].mlp.gate_up_proj.weight.dim() == 3
+    _both_ways(model)
+
+
 @pytest.mark.parametrize("kinds", [[Q.Q4_1], [*QUANTIZED]], ids=["one-format", "mixed-formats"])
 def test_the_stack_runs_gguf_weights_as_the_loop(kinds: list[Q], tmp_path: Path) -> None:
     """A fused q/k/v or gate/up whose parts come in different formats is a stack of matrices."""

@@ -29,9 +29,15 @@ c10::TypedOperatorHandle<Signature> kernel(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// Over a weight packed into a bf16 GEMM's panels (cadence/backends/dense_gemm.py): 4-D for this
+// library's AVX512-BF16 GEMM, 3-D for the AVX2 one (its library loaded with the panels).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const OptTensor& bias, int64_t out_features) {
-  static const auto op = kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>(
-      "cadence_cpu::bf16_linear");
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
+  if (packed.dim() == 4) {
+    static const auto op = kernel<Signature>("cadence_cpu::bf16_linear");
+    return op.call(x, packed, bias, out_features);
+  }
+  static const auto op = kernel<Signature>("cadence_avx2::bf16_linear");
   return op.call(x, packed, bias, out_features);
 }
 
@@ -44,8 +50,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const Opt
   return op.call(x, packed, bias, rows, bits, block, symmetric);
 }
 
-// x @ W.T + bias over a plain weight (F.linear) or one in oneDNN's layout (cadence/backends/onednn.py).
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias) {
+// x @ W.T + bias over a float weight of `out_features` rows as cadence/backends/dense_gemm.py: linear
+// reads it: plain (F.linear), in oneDNN's layout, or in a bf16 GEMM's panels.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, int64_t out_features) {
+  if (!weight.is_mkldnn() && weight.dim() > 2) return bf16_linear(x, weight, bias, out_features);
   if (!weight.is_mkldnn()) return at::linear(x, weight, bias);
   static const auto op =
       kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
@@ -109,7 +117,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 // The kinds of weight, as cadence/distributed/layers.py: linear() tells them apart.
 constexpr int64_t kDense = 0;   // weights = {W [N, K]}, plain or oneDNN's: dense_linear
-constexpr int64_t kPanels = 1;  // weights = {packed}: bf16_linear
+constexpr int64_t kPanels = 1;  // weights = {packed}, a bf16 GEMM's panels: dense_linear too
 // weights = one packed matrix per part, then (a row limit) each part's dense weight; parts: kPartInts
 // per part, then the most rows the kernel takes (-1: every batch; more go to the dense weights, as
 // cadence/quantization/packed.py: quantized_linear sends them)
@@ -143,8 +151,7 @@ struct Linear : torch::CustomClassHolder {
 
   // x [T, K] -> [T, out_features], as cadence/distributed/layers.py: linear() computes it.
   at::Tensor forward(const at::Tensor& x) const {
-    if (kind == kDense) return dense_linear(x, weights[0], bias);
-    if (kind == kPanels) return bf16_linear(x, weights[0], bias, out_features);
+    if (kind != kQuant) return dense_linear(x, weights[0], bias, out_features);
     const size_t n = parts.size() / kPartInts;
     const bool dense = kernel_rows() >= 0 && x.size(0) > kernel_rows();
     std::vector<at::Tensor> outs;
@@ -154,7 +161,7 @@ struct Linear : torch::CustomClassHolder {
       const int64_t rows = part[0], cols = part[1], padded = part[2];
       const OptTensor part_bias = bias ? OptTensor(bias->narrow(0, first_row, rows)) : OptTensor();
       if (dense) {
-        outs.push_back(dense_linear(x, weights[n + i], part_bias));
+        outs.push_back(dense_linear(x, weights[n + i], part_bias, rows));
       } else {
         const at::Tensor input = padded != cols ? at::constant_pad_nd(x, {0, padded - cols}, 0) : x;
         outs.push_back(quant_linear(input, weights[i], part_bias, rows, part[3], part[4], part[5] != 0));
@@ -201,7 +208,7 @@ struct Linear : torch::CustomClassHolder {
   }
 
   static at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, int64_t rows) {
-    return weight.dim() == 4 ? bf16_linear(x, weight, OptTensor(), rows) : dense_linear(x, weight, OptTensor());
+    return dense_linear(x, weight, OptTensor(), rows);
   }
 };
 
@@ -323,7 +330,8 @@ struct DecoderStack : torch::CustomClassHolder {
   static at::Tensor mlp(const Layer& layer, const at::Tensor& x, const std::vector<at::Tensor>& lora_masks,
                         int64_t lora_slot) {
     const Linear& gate_up_proj = *layer.gate_up;
-    if (!layer.gemma && gate_up_proj.kind == kPanels && !gate_up_proj.lora_a) {  // ColumnParallelLinear.silu_and_mul
+    // ColumnParallelLinear.silu_and_mul: the AVX512-BF16 GEMM's 4-D panels only
+    if (!layer.gemma && gate_up_proj.kind == kPanels && gate_up_proj.weights[0].dim() == 4 && !gate_up_proj.lora_a) {
       return layer.down->apply(
           bf16_linear_silu(x, gate_up_proj.weights[0], gate_up_proj.bias, gate_up_proj.out_features), lora_masks,
           lora_slot);
