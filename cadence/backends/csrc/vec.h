@@ -118,19 +118,40 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 
+#if defined(__AVX512F__)
 inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
+#else  // in native AVX2 halves: SIMDe's 512-bit conversions went lane by lane through memory
+inline __m512 widen(__m256i bf16) {
+  const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bf16)), 16));
+  const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bf16, 1)), 16));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+#endif
 
 inline __m512 load16(const at::BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 inline __m512 load16(const at::BFloat16* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
 
 // The bfloat16 bit patterns of v, rounded to nearest even (inputs are finite).
+#if defined(__AVX512F__)
 inline __m256i to_bf16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
+#else  // the same rounding in native AVX2 halves; the patterns (< 2^16) pack without saturating
+inline __m256i to_bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m256i lo = to_bf16_bits8(_mm512_castps512_ps256(v)), hi = to_bf16_bits8(_mm512_extractf32x8_ps(v, 1));
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  // packus interleaves the 128-bit lanes
+}
+#endif
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
