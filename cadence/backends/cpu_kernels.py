@@ -139,9 +139,8 @@ def cpu_ops() -> Any | None:
 
 @functools.cache
 def avx2_ops() -> Any | None:
-    """``torch.ops.cadence_avx2`` (``quant_linear_supported``, ``quant_linear``: the signature of
-    ``cadence_cpu``'s; ``bf16_linear_supported``, ``pack_bf16_linear``, ``bf16_linear``), or None
-    where the CPU lacks AVX2, FMA or F16C or the build failed."""
+    """``torch.ops.cadence_avx2`` (``quant_linear[_supported]`` as ``cadence_cpu``'s, ``bf16_linear[_supported]``,
+    ``pack_bf16_linear``), or None where the CPU lacks AVX2, FMA or F16C or the build failed."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not _load(_avx2()):
         return None
     ops = torch.ops.cadence_avx2

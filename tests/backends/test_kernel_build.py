@@ -268,7 +268,7 @@ def test_the_avx2_builds_go_in_folders_of_their_own(capability: str, loads: list
     assert cpu_kernels.cpu_ops.__wrapped__() is torch.ops.cadence_cpu
     avx2, main = loads
     assert avx2.name.startswith("cadence_cpu_avx2_")
-    assert [Path(source).name for source in avx2.sources] == ["quant_linear_avx2.cpp"]
+    assert [Path(source).name for source in avx2.sources] == ["quant_linear_avx2.cpp", "bf16_linear_avx2.cpp"]
     assert [Path(source).name for source in main.sources] == list(cpu_kernels._SOURCES)
     assert len({avx2.build_directory, main.build_directory}) == 2
     assert (main.build_directory == cpu_kernels._build_directory()) == (capability == "AVX512")
