@@ -1,11 +1,12 @@
-"""Where the quantized kernel's row limits should sit on this CPU: the kernel against oneDNN's GEMM
-over the dequantized weight (float32, or bfloat16 with ``--dtype``: on AMX CPUs oneDNN runs that on
-the tile unit), per row count, over the default model's own matrices (the 30 layers' Q4_1 ones, and
-the Q8_0 LM head apart: 8-bit codes cost the kernel twice the work).
+"""Where the quantized kernel's row limits should sit on this CPU: the kernel against the dense GEMM
+over the dequantized weight (``backends/dense_gemm.py``'s: oneDNN's for float32, and for bfloat16
+with ``--dtype`` oneDNN's on AMX CPUs, the AVX2 bf16 GEMM on CPUs with AVX2 alone), per row count,
+over the default model's own matrices (the 30 layers' Q4_1 ones, and the Q8_0 LM head apart: 8-bit
+codes cost the kernel twice the work).
 
 Prints the milliseconds (median of the repeats) of each path at each row count; the kernel should
 take the rows where its column is the smaller (``quantization/packed.py: _AVX2_KERNEL_ROWS`` and
-``_AVX2_KERNEL_ROWS_8_BIT``, and ``_AMX_KERNEL_ROWS`` for bfloat16 on AMX). A benchmark, never a
+``_AVX2_KERNEL_ROWS_8_BIT``, ``_AVX2_BF16_KERNEL_ROWS`` and ``_AMX_KERNEL_ROWS`` for bfloat16). A benchmark, never a
 test; needs the kernel (an x86 CPU with AVX2).
 
     python benchmarks/quant_row_limit.py [--rows 1,2,4,8,16,32 --repeats 5 --num-threads 2 --dtype bfloat16]
@@ -57,7 +58,7 @@ def main() -> None:
     for m in [*layers, head]:
         m.dense(dtype)  # dequantized once, as the engine's warm-up does
     print(f"{len(layers)} layer matrices ({layers[0].bits}-bit); LM head {head.rows} x {head.cols}, {head.bits}-bit")
-    print("rows | layers: kernel | oneDNN | head: kernel | oneDNN (ms)")
+    print("rows | layers: kernel | dense | head: kernel | dense (ms)")
     for count in (int(r) for r in args.rows.split(",")):
         times = row_times(layers, head, count, args.repeats, dtype)
         print(f"{count} | " + " | ".join(f"{t:.1f}" for t in times), flush=True)
@@ -65,7 +66,7 @@ def main() -> None:
 
 def row_times(layers: list[QuantizedMatrix], head: QuantizedMatrix, count: int, repeats: int,
               dtype: torch.dtype) -> list[float]:
-    """Milliseconds of ``count`` rows of ``dtype`` through the layers (kernel, oneDNN), then the head (the same)."""
+    """Milliseconds of ``count`` rows of ``dtype`` through the layers (kernel, dense), then the head (the same)."""
     inputs = {cols: torch.randn(count, cols, dtype=dtype) for cols in {m.cols for m in [*layers, head]}}
 
     def every_layer(path: Callable[[torch.Tensor, QuantizedMatrix, None], torch.Tensor]) -> None:

@@ -236,7 +236,7 @@ def _kernel() -> Any | None:
 # (docs/quantization.md): on the 2-core Zen 3 both together took 39-41 ms at 16 rows through the
 # kernel against 42-44 dense; on the 2-core Zen 1 the layers 153-161 against 144-151 at 16 rows and
 # 214 against 151 at 32, the head 7-9 against 9-10 at 2 rows, 12-17 against 12 at 4, 93 against 33
-# at 32. bfloat16 rows always take the kernel (torch's bfloat16 GEMM is slower still there).
+# at 32.
 _AVX2_KERNEL_ROWS = 16
 _AVX2_KERNEL_ROWS_8_BIT = 2
 # On CPUs with AMX oneDNN runs bfloat16 GEMMs on the tile unit, and past these rows a bfloat16 dense
@@ -246,15 +246,25 @@ _AVX2_KERNEL_ROWS_8_BIT = 2
 # Q8_0 LM head 1.3 against 1.4 at 8 rows, 1.8 against 1.4 at 12.
 _AMX_KERNEL_ROWS = 16
 _AMX_KERNEL_ROWS_8_BIT = 8
+# On CPUs with AVX2 alone bfloat16 batches past these rows run faster through the AVX2 bf16 GEMM over
+# the dense bf16 weights (backends/dense_gemm.py). On the 2-core Zen 3 (2026-12-06, `python
+# benchmarks/quant_row_limit.py --dtype bfloat16`) the 30 Q4_1 layers took 47.2 ms through the kernel
+# against 47.3 dense at 12 rows, 86.0 against 62.2 at 24; the Q8_0 LM head 2.6 against 3.0 at 2 rows,
+# 6.3 against 4.7 at 4.
+_AVX2_BF16_KERNEL_ROWS = 12
+_AVX2_BF16_KERNEL_ROWS_8_BIT = 2
 
 
 def _row_limits(dtype: torch.dtype) -> tuple[int, int] | None:
     """The most rows of ``dtype`` a kernel here takes, by code width (4-bit, 8-bit); None for every batch."""
     if dtype == torch.bfloat16 and _amx_gemm():
         return _AMX_KERNEL_ROWS, _AMX_KERNEL_ROWS_8_BIT
-    if dtype != torch.float32 or vnni_available():
+    if vnni_available():
         return None
-    return _AVX2_KERNEL_ROWS, _AVX2_KERNEL_ROWS_8_BIT
+    if dtype == torch.bfloat16:
+        avx2_gemm = dense_gemm.avx2_ops_with_bf16() is not None and not onednn.packs(dtype, torch.device("cpu"))
+        return (_AVX2_BF16_KERNEL_ROWS, _AVX2_BF16_KERNEL_ROWS_8_BIT) if avx2_gemm else None
+    return (_AVX2_KERNEL_ROWS, _AVX2_KERNEL_ROWS_8_BIT) if dtype == torch.float32 else None
 
 
 @functools.cache
@@ -330,7 +340,8 @@ def _kernel_takes(num_rows: int, matrix: QuantizedMatrix | QuantizedRowStack, x:
     if not kernel_runs(x):
         return False
     # under every limit (one user's decode)
-    if num_rows <= min(_AVX2_KERNEL_ROWS, _AVX2_KERNEL_ROWS_8_BIT, _AMX_KERNEL_ROWS, _AMX_KERNEL_ROWS_8_BIT):
+    if num_rows <= min(_AVX2_KERNEL_ROWS, _AVX2_KERNEL_ROWS_8_BIT, _AVX2_BF16_KERNEL_ROWS, _AVX2_BF16_KERNEL_ROWS_8_BIT,
+                       _AMX_KERNEL_ROWS, _AMX_KERNEL_ROWS_8_BIT):
         return True
     limit = kernel_row_limit(matrix, x.dtype)
     return limit is None or num_rows <= limit

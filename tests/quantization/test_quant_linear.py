@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from support.ggml_blocks import QUANTIZED, Q, random_blocks
 
-from cadence.backends import onednn
+from cadence.backends import dense_gemm, onednn
 from cadence.backends.cpu_kernels import avx2_ops, cpu_ops
 from cadence.quantization import packed
 from cadence.quantization.blocks import FORMS, BlockCodes, quantize_int8
@@ -43,10 +43,11 @@ def _dense_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def _kernel_at_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel on batches of any size (quantized_linear sends float32 ones past the AVX2 kernel's
-    row limit, and bfloat16 ones beside AMX, to the dense GEMM; test_large_..._batches_... checks that)."""
-    for limit in ("_AVX2_KERNEL_ROWS", "_AVX2_KERNEL_ROWS_8_BIT", "_AMX_KERNEL_ROWS", "_AMX_KERNEL_ROWS_8_BIT"):
-        monkeypatch.setattr(packed, limit, 1 << 30)
+    """The kernel on batches of any size (quantized_linear sends batches past the AVX2 kernel's row
+    limits, and bfloat16 ones beside AMX, to the dense GEMM; test_large_..._batches_... checks that)."""
+    for kind in ("AVX2", "AVX2_BF16", "AMX"):
+        for limit in (f"_{kind}_KERNEL_ROWS", f"_{kind}_KERNEL_ROWS_8_BIT"):
+            monkeypatch.setattr(packed, limit, 1 << 30)
 
 
 def _weight(kind: GGMLQuantizationType, rows: int, blocks: int) -> tuple[QuantizedMatrix, torch.Tensor]:
@@ -284,9 +285,27 @@ def test_large_float32_batches_take_the_dense_gemm_beside_the_avx2_kernel(monkey
         kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
         assert torch.equal(quantized_linear(x[:limit], matrix, None), kernel[:limit])
         assert torch.equal(quantized_linear(x, matrix, None), kernel if packed.vnni_available() else dense)
-        if not packed._amx_gemm():  # bfloat16 takes the kernel at every batch (beside AMX: the test below)
-            assert torch.equal(quantized_linear(x.bfloat16(), matrix, None), packed._kernel()(
-                x.bfloat16(), matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric))
+
+
+@needs_kernel
+def test_large_bfloat16_batches_take_the_avx2_bf16_gemm_beside_the_avx2_kernel(
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """As on a CPU with AVX2 alone: bfloat16 batches past the row limits run the AVX2 bf16 GEMM over
+    the dense weight in its panels (backends/dense_gemm.py)."""
+    monkeypatch.undo()
+    request.getfixturevalue("avx2_bf16_panels")
+    monkeypatch.setattr(packed, "vnni_available", lambda: False)  # the limits of the AVX2 kernel
+    torch.manual_seed(9)
+    # 4-bit codes up to 12 rows, 8-bit ones up to 2
+    for kind, limit in ((Q.Q4_1, 12), (Q.Q8_0, 2)):
+        matrix, _ = _weight(kind, rows=70, blocks=3)
+        assert packed.kernel_row_limit(matrix, torch.bfloat16) == limit
+        x = torch.randn(limit + 1, matrix.cols).bfloat16()
+        kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
+        assert torch.equal(quantized_linear(x[:limit], matrix, None), kernel[:limit])
+        panels = dense_gemm.pack(dequantize(matrix, torch.bfloat16))
+        assert panels.dim() == 3 and torch.equal(matrix.dense(torch.bfloat16), panels)
+        assert torch.equal(quantized_linear(x, matrix, None), dense_gemm.linear(x, panels, None, matrix.rows))
 
 
 @needs_kernel
@@ -324,10 +343,12 @@ def test_a_stack_s_parts_go_one_way_at_its_narrowest_limit(monkeypatch: pytest.M
 
 
 @needs_kernel
-def test_a_model_s_row_limit_is_the_one_most_of_its_weights_have(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_model_s_row_limit_is_the_one_most_of_its_weights_have(monkeypatch: pytest.MonkeyPatch,
+                                                                  request: pytest.FixtureRequest) -> None:
     """The cost model prices rows under the limit apart (``kernel_rows``): the model's is that of most
     of its quantized elements, an 8-bit head beside 4-bit layers taking the layers'."""
     monkeypatch.undo()
+    request.getfixturevalue("avx2_bf16_panels")  # bfloat16 dense weights in the AVX2 GEMM's panels
     monkeypatch.setattr(packed, "vnni_available", lambda: False)  # the AVX2 kernel, whatever this CPU has
 
     def linear(kind: GGMLQuantizationType, rows: int) -> torch.nn.Module:
@@ -340,8 +361,8 @@ def test_a_model_s_row_limit_is_the_one_most_of_its_weights_have(monkeypatch: py
     assert packed.model_row_limit(layers, torch.float32, cpu) == 16
     assert packed.model_row_limit(torch.nn.Sequential(linear(Q.Q4_1, 70), linear(Q.Q8_0, 200)),
                                   torch.float32, cpu) == 2
-    # bfloat16 rows always take the kernel (beside AMX up to 16 rows); another device never does; nor
-    # does a float weight.
-    assert packed.model_row_limit(layers, torch.bfloat16, cpu) == (16 if packed._amx_gemm() else None)
+    # bfloat16 rows up to 12 beside the AVX2 bf16 GEMM (beside AMX, which the process found once, up to
+    # 16); another device never takes the kernel; nor does a float weight.
+    assert packed.model_row_limit(layers, torch.bfloat16, cpu) == (16 if packed._amx_gemm() else 12)
     assert packed.model_row_limit(layers, torch.float32, torch.device("meta")) is None
     assert packed.model_row_limit(torch.nn.Linear(4, 4), torch.float32, cpu) is None
