@@ -8,6 +8,8 @@
   runs, where it does not) and plain ``F.linear`` (bf16; up to 64 rows where oneDNN lacks bf16, as
   it then takes minutes at 2,048).
 - argmax: the sampler's greedy choice over a [64, 49152] fp32 batch, against ``torch.argmax``.
+- silu_and_mul: a gate/up output of 32 and 2,048 rows (SmolLM2's 2 x 1,536 columns), bf16 and fp32,
+  against torch's ``F.silu(gate) * up``.
 - decode attention: 64 requests x 200 tokens of context, 30 layers, read through a block table
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
 - prefill attention: one 2,048-token prompt (and a 512-token chunk after 1,536 cached tokens), one
@@ -99,6 +101,18 @@ def bench_argmax(ops: Any, repeats: int) -> None:
     print(f"  argmax [64, 49152]  cadence {ours:.3f} ms  torch {theirs:.3f} ms  {theirs / ours:.2f}x")
 
 
+def bench_silu_and_mul(ops: Any, repeats: int) -> None:
+    for rows in (32, 2048):
+        for dtype in (torch.bfloat16, torch.float32):
+            gate_up = torch.randn(rows, 2 * 1536).to(dtype)
+            out = torch.empty(rows, 1536, dtype=dtype)
+            gate, up = gate_up[:, :1536], gate_up[:, 1536:]
+            ours = median_ms(functools.partial(ops.silu_and_mul, out, gate_up), repeats)
+            theirs = median_ms(lambda g=gate, u=up: F.silu(g) * u, repeats)
+            print(f"  silu_and_mul [{rows}, 3072] {str(dtype)[6:]}  cadence {ours:.3f} ms  torch {theirs:.3f} ms"
+                  f"  {theirs / ours:.2f}x")
+
+
 def bench_attention(ops: Any, repeats: int) -> None:
     kv_heads, group, head_dim, block_size, requests, context = 3, 3, 64, 16, 64, 200
     blocks_per_request = -(-context // block_size)
@@ -183,6 +197,7 @@ def main() -> None:
     for rows in (1, 16, 64, 2048):
         bench_gemm(gemm, rows, ns.repeats)
     bench_argmax(ops, ns.repeats)
+    bench_silu_and_mul(ops, ns.repeats)
     bench_attention(ops, ns.repeats)
     bench_prefill_attention(ops, ns.repeats)
     bench_shared_prefix_decodes(ops, ns.repeats)

@@ -9,6 +9,9 @@
 #include <torch/library.h>
 
 #include "vec.h"
+#if !defined(__AVX512F__)
+#include "avx2.h"
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -121,6 +124,34 @@ void add_rms_norm(const at::Tensor& out, const at::Tensor& residual, const at::T
 }
 
 // out = T(silu(gate)) * up, where gate_up holds [gate | up] per row (the fused gate/up projection).
+// out[i] = round(silu(gate[i])) * gate[n + i] over one row.
+#if defined(__AVX512F__)
+template <typename T>
+void silu_and_mul_row(const T* gate, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 silu = round_to<T>(silu16(load16(gate + i, m)));
+    store16(out + i, _mm512_mul_ps(silu, load16(gate + n + i, m)), m);
+  }
+}
+#else  // 8 lanes of native AVX2 (the same operations lane for lane, so the same bits): SIMDe's 16-lane
+// loop ran 2.4-3.5x slower than torch's F.silu(gate) * up (benchmarks/cpu_kernels.py)
+template <typename T>
+void silu_and_mul_row(const T* gate, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i);
+    const T* up = gate + n + i;
+    const __m256 g = m == 8 ? avx2::load8(gate + i) : avx2::load_head(gate + i, m);
+    const __m256 v = _mm256_mul_ps(round_to8<T>(silu8(g)), m == 8 ? avx2::load8(up) : avx2::load_head(up, m));
+    if (m == 8) {
+      avx2::store8(out + i, v);
+    } else {
+      avx2::store_head(out + i, v, m);
+    }
+  }
+}
+#endif
+
 void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   check_rows(gate_up, 2 * n, "silu_and_mul gate_up");
@@ -129,16 +160,7 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* gate = in + r * gate_up.stride(0);
-        scalar_t* out_row = o + r * out.stride(0);
-        for (int64_t i = 0; i < n; i += 16) {
-          const __mmask16 m = tail_mask(n - i);
-          const __m512 g = load16(gate + i, m);
-          const __m512 silu = round_to<scalar_t>(silu16(g));
-          store16(out_row + i, _mm512_mul_ps(silu, load16(gate + n + i, m)), m);
-        }
-      }
+      for (int64_t r = begin; r < end; ++r) silu_and_mul_row(in + r * gate_up.stride(0), o + r * out.stride(0), n);
     });
   });
 }

@@ -271,6 +271,15 @@ inline __m256 silu8(__m256 g) {
   return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
+// v rounded to the storage type T and widened back (round_to's 8 lanes).
+template <typename T>
+inline __m256 round_to8(__m256 v) { return v; }
+
+template <>
+inline __m256 round_to8<at::BFloat16>(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(to_bf16_bits8(v), 16));
+}
+
 inline __m512 exp16(__m512 x) {
   const __m256 lo = exp8(_mm512_castps512_ps256(x)), hi = exp8(_mm512_extractf32x8_ps(x, 1));
   return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
