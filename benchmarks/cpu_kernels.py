@@ -9,7 +9,8 @@
   it then takes minutes at 2,048).
 - argmax: the sampler's greedy choice over a [64, 49152] fp32 batch, against ``torch.argmax``.
 - silu_and_mul: a gate/up output of 32 and 2,048 rows (SmolLM2's 2 x 1,536 columns), bf16 and fp32,
-  against torch's ``F.silu(gate) * up``.
+  against torch's ``F.silu(gate) * up``; add_rms_norm over 32 and 2,048 rows of 576, against torch's
+  add and ``F.rms_norm`` in fp32 (Llama's op-by-op chain is slower still).
 - decode attention: 64 requests x 200 tokens of context, 30 layers, read through a block table
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
 - prefill attention: one 2,048-token prompt (and a 512-token chunk after 1,536 cached tokens), one
@@ -113,6 +114,22 @@ def bench_silu_and_mul(ops: Any, repeats: int) -> None:
                   f"  {theirs / ours:.2f}x")
 
 
+def _torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    residual.add_(x)
+    return weight * F.rms_norm(residual.float(), (residual.shape[-1],), eps=1e-5).to(weight.dtype)
+
+
+def bench_add_rms_norm(ops: Any, repeats: int) -> None:
+    for rows in (32, 2048):
+        for dtype in (torch.bfloat16, torch.float32):
+            x, residual = torch.randn(rows, 576).to(dtype), torch.randn(rows, 576).to(dtype)
+            weight, out = torch.randn(576).to(dtype), torch.empty_like(x)
+            ours = median_ms(functools.partial(ops.add_rms_norm, out, residual, x, weight, 1e-5), repeats)
+            theirs = median_ms(functools.partial(_torch_add_rms_norm, x, residual, weight), repeats)
+            print(f"  add_rms_norm [{rows}, 576] {str(dtype)[6:]}  cadence {ours:.3f} ms  torch {theirs:.3f} ms"
+                  f"  {theirs / ours:.2f}x")
+
+
 def bench_attention(ops: Any, repeats: int) -> None:
     kv_heads, group, head_dim, block_size, requests, context = 3, 3, 64, 16, 64, 200
     blocks_per_request = -(-context // block_size)
@@ -198,6 +215,7 @@ def main() -> None:
         bench_gemm(gemm, rows, ns.repeats)
     bench_argmax(ops, ns.repeats)
     bench_silu_and_mul(ops, ns.repeats)
+    bench_add_rms_norm(ops, ns.repeats)
     bench_attention(ops, ns.repeats)
     bench_prefill_attention(ops, ns.repeats)
     bench_shared_prefix_decodes(ops, ns.repeats)

@@ -44,4 +44,19 @@ inline void store_head(T* p, __m256 v, int64_t n) {
   std::memcpy(p, buf, n * sizeof(T));
 }
 
+// The first n of 8 lanes (1 <= n <= 8; zeros after them), and their store.
+template <typename T>
+inline __m256 load_upto8(const T* p, int64_t n) {
+  return n == 8 ? load8(p) : load_head(p, n);
+}
+
+template <typename T>
+inline void store_upto8(T* p, __m256 v, int64_t n) {
+  if (n == 8) {
+    store8(p, v);
+  } else {
+    store_head(p, v, n);
+  }
+}
+
 }  // namespace cadence::avx2
