@@ -162,8 +162,7 @@ void add_rms_norm(const at::Tensor& out, const at::Tensor& residual, const at::T
   });
 }
 
-// out = T(silu(gate)) * up, where gate_up holds [gate | up] per row (the fused gate/up projection).
-// out[i] = round(silu(gate[i])) * gate[n + i] over one row.
+// out[i] = T(silu(gate[i])) * gate[n + i] over one row.
 #if defined(__AVX512F__)
 template <typename T>
 void silu_and_mul_row(const T* gate, T* out, int64_t n) {
@@ -185,6 +184,7 @@ void silu_and_mul_row(const T* gate, T* out, int64_t n) {
 }
 #endif
 
+// out = T(silu(gate)) * up, where gate_up holds [gate | up] per row (the fused gate/up projection).
 void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   check_rows(gate_up, 2 * n, "silu_and_mul gate_up");
