@@ -287,6 +287,17 @@ def test_large_float32_batches_take_the_dense_gemm_beside_the_avx2_kernel(monkey
         assert torch.equal(quantized_linear(x, matrix, None), kernel if packed.vnni_available() else dense)
 
 
+def _bfloat16_rows_past_the_limit(kind: GGMLQuantizationType, limit: int) -> tuple[QuantizedMatrix, torch.Tensor]:
+    """A ``kind`` matrix whose bfloat16 row limit is ``limit``, and ``limit + 1`` rows of x, of which the
+    first ``limit`` are checked to take the kernel (where the rest go is the caller's to check)."""
+    matrix, _ = _weight(kind, rows=70, blocks=3)
+    assert packed.kernel_row_limit(matrix, torch.bfloat16) == limit
+    x = torch.randn(limit + 1, matrix.cols).bfloat16()
+    kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
+    assert torch.equal(quantized_linear(x[:limit], matrix, None), kernel[:limit])
+    return matrix, x
+
+
 @needs_kernel
 def test_large_bfloat16_batches_take_the_avx2_bf16_gemm_beside_the_avx2_kernel(
         monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
@@ -298,11 +309,7 @@ def test_large_bfloat16_batches_take_the_avx2_bf16_gemm_beside_the_avx2_kernel(
     torch.manual_seed(9)
     # 4-bit codes up to 12 rows, 8-bit ones up to 2
     for kind, limit in ((Q.Q4_1, 12), (Q.Q8_0, 2)):
-        matrix, _ = _weight(kind, rows=70, blocks=3)
-        assert packed.kernel_row_limit(matrix, torch.bfloat16) == limit
-        x = torch.randn(limit + 1, matrix.cols).bfloat16()
-        kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
-        assert torch.equal(quantized_linear(x[:limit], matrix, None), kernel[:limit])
+        matrix, x = _bfloat16_rows_past_the_limit(kind, limit)
         panels = dense_gemm.pack(dequantize(matrix, torch.bfloat16))
         assert panels.dim() == 3 and torch.equal(matrix.dense(torch.bfloat16), panels)
         assert torch.equal(quantized_linear(x, matrix, None), dense_gemm.linear(x, panels, None, matrix.rows))
@@ -315,11 +322,7 @@ def test_large_bfloat16_batches_take_the_dense_gemm_beside_amx(monkeypatch: pyte
     torch.manual_seed(8)
     # 4-bit codes up to 16 rows, 8-bit ones up to 8
     for kind, limit in ((Q.Q4_1, 16), (Q.Q8_0, 8)):
-        matrix, _ = _weight(kind, rows=70, blocks=3)
-        assert packed.kernel_row_limit(matrix, torch.bfloat16) == limit
-        x = torch.randn(limit + 1, matrix.cols).bfloat16()
-        kernel = packed._kernel()(x, matrix.packed, None, matrix.rows, matrix.bits, matrix.block, matrix.symmetric)
-        assert torch.equal(quantized_linear(x[:limit], matrix, None), kernel[:limit])
+        matrix, x = _bfloat16_rows_past_the_limit(kind, limit)
         assert torch.equal(quantized_linear(x, matrix, None), _dense_gemm(x, dequantize(matrix, torch.bfloat16)))
 
 

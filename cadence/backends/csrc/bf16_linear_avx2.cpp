@@ -120,14 +120,9 @@ void tile(const float* x, int64_t stride, const uint16_t* panel, int64_t panel_w
     for (int h = 0; h < 2; ++h) {
       const int64_t column = kPanelCols * c + 8 * h, n = std::min<int64_t>(8, cols - column);
       if (n <= 0) return;
-      const __m256 b = bias ? (n == 8 ? load8(bias + column) : load_head(bias + column, n)) : _mm256_setzero_ps();
+      const __m256 b = bias ? load_upto8(bias + column, n) : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
-        const __m256 v = _mm256_add_ps(_mm256_load_ps(sums[r][c][h]), b);
-        if (n == 8) {
-          store8(out + r * out_stride + column, v);
-        } else {
-          store_head(out + r * out_stride + column, v, n);
-        }
+        store_upto8(out + r * out_stride + column, _mm256_add_ps(_mm256_load_ps(sums[r][c][h]), b), n);
       }
     }
   }

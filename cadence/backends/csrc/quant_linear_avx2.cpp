@@ -223,12 +223,8 @@ void tile(const QuantizedRows& q, int64_t r0, int64_t cols, const uint8_t* group
       if (n <= 0) break;
       for (int r = 0; r < R; ++r) {
         __m256 v = acc[r][p][h];
-        if (bias) v = _mm256_add_ps(v, n == 8 ? load8(bias + column) : load_head(bias + column, n));
-        if (n == 8) {
-          store8(out + r * out_stride + column, v);
-        } else {
-          store_head(out + r * out_stride + column, v, n);
-        }
+        if (bias) v = _mm256_add_ps(v, load_upto8(bias + column, n));
+        store_upto8(out + r * out_stride + column, v, n);
       }
     }
   }
