@@ -8,9 +8,11 @@
   runs, where it does not) and plain ``F.linear`` (bf16; up to 64 rows where oneDNN lacks bf16, as
   it then takes minutes at 2,048).
 - argmax: the sampler's greedy choice over a [64, 49152] fp32 batch, against ``torch.argmax``.
-- silu_and_mul: a gate/up output of 32 and 2,048 rows (SmolLM2's 2 x 1,536 columns), bf16 and fp32,
-  against torch's ``F.silu(gate) * up``; add_rms_norm over 32 and 2,048 rows of 576, against torch's
-  add and ``F.rms_norm`` in fp32 (Llama's op-by-op chain is slower still).
+- layer ops, over 32 and 2,048 rows in bf16 and fp32: silu_and_mul of a gate/up output (SmolLM2's
+  2 x 1,536 columns) against torch's ``F.silu(gate) * up``; add_rms_norm over rows of 576 against
+  torch's add and ``F.rms_norm`` in fp32 (Llama's op-by-op chain is slower still); scaled_rms_norm
+  (Gemma's) against Gemma3RMSNorm's fp32 ops; rotary_embedding of q and k (12 heads of 64) against
+  Llama's ``x * cos + rotate_half(x) * sin`` after the gather of the step's cos and sin rows.
 - decode attention: 64 requests x 200 tokens of context, 30 layers, read through a block table
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
 - prefill attention: one 2,048-token prompt (and a 512-token chunk after 1,536 cached tokens), one
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import rotate_half
 
 from cadence.backends import dense_gemm
 from cadence.backends.cpu_kernels import cpu_ops
@@ -102,32 +105,52 @@ def bench_argmax(ops: Any, repeats: int) -> None:
     print(f"  argmax [64, 49152]  cadence {ours:.3f} ms  torch {theirs:.3f} ms  {theirs / ours:.2f}x")
 
 
-def bench_silu_and_mul(ops: Any, repeats: int) -> None:
-    for rows in (32, 2048):
-        for dtype in (torch.bfloat16, torch.float32):
-            gate_up = torch.randn(rows, 2 * 1536).to(dtype)
-            out = torch.empty(rows, 1536, dtype=dtype)
-            gate, up = gate_up[:, :1536], gate_up[:, 1536:]
-            ours = median_ms(functools.partial(ops.silu_and_mul, out, gate_up), repeats)
-            theirs = median_ms(lambda g=gate, u=up: F.silu(g) * u, repeats)
-            print(f"  silu_and_mul [{rows}, 3072] {str(dtype)[6:]}  cadence {ours:.3f} ms  torch {theirs:.3f} ms"
-                  f"  {theirs / ours:.2f}x")
-
-
 def _torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     residual.add_(x)
     return weight * F.rms_norm(residual.float(), (residual.shape[-1],), eps=1e-5).to(weight.dtype)
 
 
-def bench_add_rms_norm(ops: Any, repeats: int) -> None:
+def _torch_scaled_rms_norm(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # Gemma3RMSNorm
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * scale).to(x.dtype)
+
+
+def _torch_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> object:
+    """q and k rotated as Llama's apply_rotary_pos_emb does, after the step's gather of their rows."""
+    heads = qkv[:, :12 * 64].view(-1, 12, 64)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return heads * c + rotate_half(heads) * s
+
+
+Call = Callable[[], object]
+
+
+def layer_op_cases(ops: Any, rows: int, dtype: torch.dtype) -> dict[str, tuple[Call, Call]]:
+    """Each layer op's (cadence, torch) calls on ``rows`` tokens of SmolLM2's shapes."""
+    gate_up, hidden = torch.randn(rows, 2 * 1536).to(dtype), torch.randn(rows, 576).to(dtype)
+    residual = torch.randn(rows, 576).to(dtype)
+    weight, scale, out = torch.randn(576).to(dtype), torch.randn(576), torch.empty_like(hidden)
+    qkv, positions = torch.randn(rows, 960).to(dtype), torch.randint(0, 4096, (rows,))
+    cos, sin = torch.randn(4096, 64).to(dtype), torch.randn(4096, 64).to(dtype)
+    return {
+        "silu_and_mul [rows, 3072]": (functools.partial(ops.silu_and_mul, out.new_empty(rows, 1536), gate_up),
+                                      lambda: F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]),
+        "add_rms_norm [rows, 576]": (functools.partial(ops.add_rms_norm, out, residual, hidden, weight, 1e-5),
+                                     functools.partial(_torch_add_rms_norm, hidden, residual, weight)),
+        "scaled_rms_norm [rows, 576]": (functools.partial(ops.scaled_rms_norm, out, hidden, scale, 1e-6),
+                                        functools.partial(_torch_scaled_rms_norm, hidden, scale)),
+        "rotary_embedding [rows, 12 x 64]": (functools.partial(ops.rotary_embedding, qkv, positions, cos, sin, 12, 64),
+                                             functools.partial(_torch_rope, qkv, positions, cos, sin)),
+    }
+
+
+def bench_layer_ops(ops: Any, repeats: int) -> None:
     for rows in (32, 2048):
         for dtype in (torch.bfloat16, torch.float32):
-            x, residual = torch.randn(rows, 576).to(dtype), torch.randn(rows, 576).to(dtype)
-            weight, out = torch.randn(576).to(dtype), torch.empty_like(x)
-            ours = median_ms(functools.partial(ops.add_rms_norm, out, residual, x, weight, 1e-5), repeats)
-            theirs = median_ms(functools.partial(_torch_add_rms_norm, x, residual, weight), repeats)
-            print(f"  add_rms_norm [{rows}, 576] {str(dtype)[6:]}  cadence {ours:.3f} ms  torch {theirs:.3f} ms"
-                  f"  {theirs / ours:.2f}x")
+            for name, (ours_call, torch_call) in layer_op_cases(ops, rows, dtype).items():
+                ours, theirs = median_ms(ours_call, repeats), median_ms(torch_call, repeats)
+                print(f"  {name.replace('rows', str(rows))} {str(dtype)[6:]}  cadence {ours:.3f} ms"
+                      f"  torch {theirs:.3f} ms  {theirs / ours:.2f}x")
 
 
 def bench_attention(ops: Any, repeats: int) -> None:
@@ -214,8 +237,7 @@ def main() -> None:
     for rows in (1, 16, 64, 2048):
         bench_gemm(gemm, rows, ns.repeats)
     bench_argmax(ops, ns.repeats)
-    bench_silu_and_mul(ops, ns.repeats)
-    bench_add_rms_norm(ops, ns.repeats)
+    bench_layer_ops(ops, ns.repeats)
     bench_attention(ops, ns.repeats)
     bench_prefill_attention(ops, ns.repeats)
     bench_shared_prefix_decodes(ops, ns.repeats)

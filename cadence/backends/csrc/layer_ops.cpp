@@ -47,6 +47,16 @@ void norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
   }
 }
 
+// out = T(x * rsqrt(mean(x^2) + eps) * scale), an fp32 scale, one cast at the end (Gemma3RMSNorm).
+template <typename T>
+void scaled_norm_row(T* out, const T* x, const float* scale, int64_t n, float eps) {
+  const __m512 inv = _mm512_set1_ps(inverse_rms(x, n, eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i, m), inv), load16(scale + i, m)), m);
+  }
+}
+
 // residual = T(x + residual) over one row.
 template <typename T>
 void add_row(T* residual, const T* x, int64_t n) {
@@ -77,6 +87,15 @@ void norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
     const int64_t m = std::min<int64_t>(8, n - i);
     const __m256 normed = round_to8<T>(_mm256_mul_ps(avx2::load_upto8(x + i, m), inv));
     avx2::store_upto8(out + i, _mm256_mul_ps(avx2::load_upto8(weight + i, m), normed), m);
+  }
+}
+
+template <typename T>
+void scaled_norm_row(T* out, const T* x, const float* scale, int64_t n, float eps) {
+  const __m256 inv = _mm256_set1_ps(inverse_rms(x, n, eps));
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i);
+    avx2::store_upto8(out + i, _mm256_mul_ps(_mm256_mul_ps(avx2::load_upto8(x + i, m), inv), avx2::load_upto8(scale + i, m)), m);
   }
 }
 
@@ -124,15 +143,7 @@ void scaled_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tenso
     scalar_t* o = out.data_ptr<scalar_t>();
     const float* w = scale.data_ptr<float>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* row = in + r * x.stride(0);
-        const __m512 inv = _mm512_set1_ps(inverse_rms(row, n, static_cast<float>(eps)));
-        for (int64_t i = 0; i < n; i += 16) {
-          const __mmask16 m = tail_mask(n - i);
-          const __m512 normed = _mm512_mul_ps(load16(row + i, m), inv);
-          store16(o + r * out.stride(0) + i, _mm512_mul_ps(normed, load16(w + i, m)), m);
-        }
-      }
+      for (int64_t r = begin; r < end; ++r) scaled_norm_row(o + r * out.stride(0), in + r * x.stride(0), w, n, static_cast<float>(eps));
     });
   });
 }
@@ -198,6 +209,38 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
+// One head of `2 * half` values rotated in place by the cos and sin rows c and s: x * c + rotate_half(x) * s,
+// each product rounded to T as Hugging Face's op-by-op code stores it.
+#if defined(__AVX512F__)
+template <typename T>
+void rotate_head(T* head, const T* c, const T* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = tail_mask(half - i);
+    const __m512 x1 = load16(head + i, m), x2 = load16(head + half + i, m);
+    const __m512 first = _mm512_sub_ps(round_to<T>(_mm512_mul_ps(x1, load16(c + i, m))),
+                                       round_to<T>(_mm512_mul_ps(x2, load16(s + i, m))));
+    const __m512 second = _mm512_add_ps(round_to<T>(_mm512_mul_ps(x2, load16(c + half + i, m))),
+                                        round_to<T>(_mm512_mul_ps(x1, load16(s + half + i, m))));
+    store16(head + i, first, m);
+    store16(head + half + i, second, m);
+  }
+}
+#else  // 8 native AVX2 lanes, lane for lane the same operations (the same bits)
+template <typename T>
+void rotate_head(T* head, const T* c, const T* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += 8) {
+    const int64_t m = std::min<int64_t>(8, half - i);
+    const __m256 x1 = avx2::load_upto8(head + i, m), x2 = avx2::load_upto8(head + half + i, m);
+    const __m256 first = _mm256_sub_ps(round_to8<T>(_mm256_mul_ps(x1, avx2::load_upto8(c + i, m))),
+                                       round_to8<T>(_mm256_mul_ps(x2, avx2::load_upto8(s + i, m))));
+    const __m256 second = _mm256_add_ps(round_to8<T>(_mm256_mul_ps(x2, avx2::load_upto8(c + half + i, m))),
+                                        round_to8<T>(_mm256_mul_ps(x1, avx2::load_upto8(s + half + i, m))));
+    avx2::store_upto8(head + i, first, m);
+    avx2::store_upto8(head + half + i, second, m);
+  }
+}
+#endif
+
 // In place on the first `num_heads` heads of each row of x ([tokens, >= num_heads * head_dim]):
 // x * cos + rotate_half(x) * sin at each token's position, as Hugging Face's apply_rotary_pos_emb.
 // cos and sin are [positions, head_dim] tables in x's dtype; positions must lie inside them.
@@ -220,19 +263,7 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* c = cos_table + p[r] * head_dim;
         const scalar_t* s = sin_table + p[r] * head_dim;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          scalar_t* head = data + r * x.stride(0) + h * head_dim;
-          for (int64_t i = 0; i < half; i += 16) {
-            const __mmask16 m = tail_mask(half - i);
-            const __m512 x1 = load16(head + i, m), x2 = load16(head + half + i, m);
-            const __m512 first = _mm512_sub_ps(round_to<scalar_t>(_mm512_mul_ps(x1, load16(c + i, m))),
-                                               round_to<scalar_t>(_mm512_mul_ps(x2, load16(s + i, m))));
-            const __m512 second = _mm512_add_ps(round_to<scalar_t>(_mm512_mul_ps(x2, load16(c + half + i, m))),
-                                                round_to<scalar_t>(_mm512_mul_ps(x1, load16(s + half + i, m))));
-            store16(head + i, first, m);
-            store16(head + half + i, second, m);
-          }
-        }
+        for (int64_t h = 0; h < num_heads; ++h) rotate_head(data + r * x.stride(0) + h * head_dim, c, s, half);
       }
     });
   });
