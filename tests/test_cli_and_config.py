@@ -6,7 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
+from cadence import config
 from cadence.cli import main
 from cadence.config import (
     CacheConfig,
@@ -16,6 +18,7 @@ from cadence.config import (
     ModelConfig,
     SchedulerConfig,
     parse_memory,
+    resolve_dtype,
     resolve_quantization,
 )
 from cadence.engine_args import EngineArgs
@@ -95,6 +98,24 @@ def test_auto_quantization_keeps_a_gguf_files_types_on_the_cpu_only(make_tiny_mo
     assert EngineArgs(model=folder, quantization="int8").create_config().model.quantization == "int8"
     with pytest.raises(ConfigError, match=r"give a \.gguf model file"):
         EngineArgs(model=folder, quantization="gguf").create_config()
+
+
+@pytest.mark.parametrize(("flags", "dtype"), [
+    ("fpu sse2 avx2 fma f16c", "bfloat16"),  # the AVX2 bf16 GEMM's CPUs
+    ("fpu avx512f avx512_bf16", "bfloat16"),
+    ("fpu amx_bf16 amx_tile", "bfloat16"),
+    ("fpu sse2 avx fma f16c", "float32"),  # no AVX2
+    ("fpu sse2 avx2 f16c", "float32"),  # no FMA
+    ("fp asimd", "float32"),  # an Arm CPU
+])
+def test_auto_dtype_is_bf16_where_cadence_has_a_bf16_gemm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                          flags: str, dtype: str) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(config, "_CPUINFO", str(cpuinfo))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto") == dtype
+    assert resolve_dtype("float32") == "float32"  # what the user names is kept
 
 
 def test_memory_sizes() -> None:
