@@ -1,4 +1,5 @@
-"""A minimal actor runtime on anyio: one task per actor, an inbox, one task group for them all.
+"""A minimal actor runtime on anyio: one task per actor, an inbox (:mod:`cadence.runtime.inbox`),
+one task group for them all.
 
 Structured concurrency does the bookkeeping: :func:`run_actors` starts every actor in one task
 group; if one raises, ``on_crash`` is told first (so pending requests fail with a clear error
@@ -15,7 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from cadence.runtime.inbox import Inbox
 
 logger = logging.getLogger(__name__)
 
@@ -45,23 +47,21 @@ class Actor(abc.ABC, Generic[M]):
     inbox_size: float = 256
 
     def __init__(self) -> None:
-        self._send: MemoryObjectSendStream[M]
-        self.inbox: MemoryObjectReceiveStream[M]
-        self._send, self.inbox = anyio.create_memory_object_stream[M](self.inbox_size)
+        self.inbox: Inbox[M] = Inbox(self.inbox_size)
 
     @property
     def name(self) -> str:
         return type(self).__name__
 
     async def send(self, message: M) -> None:
-        await self._send.send(message)
+        await self.inbox.send(message)
 
     def send_nowait(self, message: M) -> None:
-        self._send.send_nowait(message)
+        self.inbox.send_nowait(message)
 
     def close(self) -> None:
         """No more messages: ``run`` ends once the inbox is drained."""
-        self._send.close()
+        self.inbox.close()
 
     @abc.abstractmethod
     async def run(self) -> None:
