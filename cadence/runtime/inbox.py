@@ -35,6 +35,11 @@ class Inbox(Generic[M]):
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def reader_waiting(self) -> bool:
+        """Whether the reader is blocked in :meth:`receive` for want of a message."""
+        return self._reader is not None
+
     def send_nowait(self, message: M) -> None:
         """:raises anyio.WouldBlock: full. :raises anyio.ClosedResourceError: after :meth:`close`.
         :raises anyio.BrokenResourceError: the reader has left."""

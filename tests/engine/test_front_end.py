@@ -181,11 +181,12 @@ async def test_load_counts_pending_and_queued_requests(tokenizer: Any) -> None:
 
     async def body() -> None:
         assert front.load == 0  # nothing pending, no stats yet
-        handles = [front.manager.add_request(f"r{i}", request(1)) for i in range(3)]
-        for handle in handles[:2]:
+        await front.manager.add_request("r0", request(1)).result()
+        assert front.num_pending == 0 and front.load == 5  # the engine core's stats: 5 queued
+        handles = [front.manager.add_request(f"r{i}", request(1)) for i in (1, 2)]
+        assert front.num_pending == 2 and front.load == 2 + 5  # submitted, not answered yet
+        for handle in handles:
             await handle.result()
-        assert front.num_pending == 1 and front.load == 1 + 5
-        await handles[2].result()
         assert front.num_pending == 0 and front.load == 5
 
     await run_front_end(front, body)

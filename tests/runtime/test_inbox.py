@@ -39,9 +39,10 @@ async def test_a_waiting_reader_wakes_on_a_send() -> None:
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as group:
+            assert not inbox.reader_waiting
             group.start_soon(read)
             await wait_all_tasks_blocked()
-            assert seen == []
+            assert seen == [] and inbox.reader_waiting
             inbox.send_nowait("hello")
     assert seen == ["hello"]
 
