@@ -10,9 +10,8 @@ request's output is, never a queue of steps.
 
 from __future__ import annotations
 
-import anyio
-
 from cadence.messages import SequenceDelta
+from cadence.runtime.wakeup import Wakeup
 
 # What a reader takes after one or more steps: (sequence index, what it gained) pairs.
 DeltaBatch = list[tuple[int, SequenceDelta]]
@@ -23,7 +22,7 @@ class OutputCollector:
 
     def __init__(self) -> None:
         self._pending: dict[int, SequenceDelta] = {}
-        self._ready = anyio.Event()
+        self._ready = Wakeup()
         self._closed = False
         #: Why the outputs stopped before the request finished (the engine died), once they have.
         self.error: str | None = None
@@ -38,13 +37,13 @@ class OutputCollector:
         for index, delta in batch:
             earlier = self._pending.get(index)
             self._pending[index] = delta if earlier is None else merge(earlier, delta)
-        self._ready.set()
+        self._ready.wake()
 
     def close(self, error: str | None = None) -> None:
         """No more outputs (``error``: the engine died): the reader gets what is pending, then None."""
         self._closed = True
         self.error = error
-        self._ready.set()
+        self._ready.wake()
 
     async def get(self) -> DeltaBatch | None:
         """Everything pending (waiting for some), in the order the sequences first changed; None once
@@ -53,7 +52,7 @@ class OutputCollector:
             if self._closed:
                 return None
             await self._ready.wait()
-            self._ready = anyio.Event()
+            self._ready = Wakeup()
         batch, self._pending = list(self._pending.items()), {}
         return batch
 

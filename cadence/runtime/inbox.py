@@ -18,6 +18,8 @@ from typing import Generic, TypeVar
 
 import anyio
 
+from cadence.runtime.wakeup import Wakeup
+
 M = TypeVar("M")
 
 
@@ -29,7 +31,7 @@ class Inbox(Generic[M]):
         self._capacity = capacity
         self._closed = False  # no more sends: the reader drains, then reads the end
         self._reader_gone = False  # the reader left: sends fail
-        self._reader: asyncio.Future[None] | None = None
+        self._reader = Wakeup()
         self._senders: deque[asyncio.Future[None]] = deque()  # waiting for room, in order
 
     def __len__(self) -> int:
@@ -38,7 +40,7 @@ class Inbox(Generic[M]):
     @property
     def reader_waiting(self) -> bool:
         """Whether the reader is blocked in :meth:`receive` for want of a message."""
-        return self._reader is not None
+        return self._reader.waiting
 
     def send_nowait(self, message: M) -> None:
         """:raises anyio.WouldBlock: full. :raises anyio.ClosedResourceError: after :meth:`close`.
@@ -50,7 +52,7 @@ class Inbox(Generic[M]):
         if len(self._items) >= self._capacity:
             raise anyio.WouldBlock
         self._items.append(message)
-        _wake(self._reader)
+        self._reader.wake()
 
     async def send(self, message: M) -> None:
         """Waits while the inbox is full; otherwise as :meth:`send_nowait`."""
@@ -86,16 +88,12 @@ class Inbox(Generic[M]):
                 return self.receive_nowait()
             except anyio.WouldBlock:
                 pass
-            self._reader = asyncio.get_running_loop().create_future()
-            try:
-                await self._reader
-            finally:
-                self._reader = None
+            await self._reader.wait()
 
     def close(self) -> None:
         """No more sends; the reader gets what is queued, then the end."""
         self._closed = True
-        _wake(self._reader)
+        self._reader.wake()
         self._wake_all_senders()
 
     def __aiter__(self) -> Inbox[M]:
@@ -125,9 +123,4 @@ class Inbox(Generic[M]):
 
     def _wake_all_senders(self) -> None:
         while self._senders:
-            _wake(self._senders.popleft())
-
-
-def _wake(waiter: asyncio.Future[None] | None) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
+            self._wake_sender()
