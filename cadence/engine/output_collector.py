@@ -52,7 +52,6 @@ class OutputCollector:
             if self._closed:
                 return None
             await self._ready.wait()
-            self._ready = Wakeup()
         batch, self._pending = list(self._pending.items()), {}
         return batch
 
