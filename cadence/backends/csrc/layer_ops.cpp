@@ -95,7 +95,8 @@ void scaled_norm_row(T* out, const T* x, const float* scale, int64_t n, float ep
   const __m256 inv = _mm256_set1_ps(inverse_rms(x, n, eps));
   for (int64_t i = 0; i < n; i += 8) {
     const int64_t m = std::min<int64_t>(8, n - i);
-    avx2::store_upto8(out + i, _mm256_mul_ps(_mm256_mul_ps(avx2::load_upto8(x + i, m), inv), avx2::load_upto8(scale + i, m)), m);
+    const __m256 normed = _mm256_mul_ps(avx2::load_upto8(x + i, m), inv);
+    avx2::store_upto8(out + i, _mm256_mul_ps(normed, avx2::load_upto8(scale + i, m)), m);
   }
 }
 
@@ -143,7 +144,9 @@ void scaled_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tenso
     scalar_t* o = out.data_ptr<scalar_t>();
     const float* w = scale.data_ptr<float>();
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) scaled_norm_row(o + r * out.stride(0), in + r * x.stride(0), w, n, static_cast<float>(eps));
+      for (int64_t r = begin; r < end; ++r) {
+        scaled_norm_row(o + r * out.stride(0), in + r * x.stride(0), w, n, static_cast<float>(eps));
+      }
     });
   });
 }
