@@ -87,6 +87,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap on one request's prefill chunk
+    # Waiting requests one step admits at most (0: no cap): a burst of short prompts then gets its
+    # first tokens a few at a time instead of all at the end of one long step.
+    max_prompts_per_step: int = 0
     # Steps with decodes are sized to end within this (ms); 0: only the token budget sizes a step.
     target_itl_ms: float = 0.0
     policy: str = "fcfs"
@@ -102,6 +105,8 @@ class SchedulerConfig:
                  f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         _require(self.long_prefill_token_threshold >= 0,
                  f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        _require(self.max_prompts_per_step >= 0,
+                 f"max_prompts_per_step must be >= 0, got {self.max_prompts_per_step}")
         _require(self.target_itl_ms >= 0, f"target_itl_ms must be >= 0, got {self.target_itl_ms}")
 
 

@@ -79,6 +79,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = field(default=True, metadata=_flag(
         "split long prompts across steps to fit the token budget"))
     long_prefill_token_threshold: int = field(default=0, metadata=_flag("cap on one prompt's chunk per step (0: none)"))
+    max_prompts_per_step: int = field(default=0, metadata=_flag(
+        "most waiting requests one step admits (0: no cap): a burst of short or mostly cached prompts then gets "
+        "its first tokens a few prompts at a time, at some cost to the running streams' gaps (docs/performance.md)"))
     target_itl_ms: float = field(default=0.0, metadata=_flag(
         "size prefill chunks so that a step with decodes ends within this many ms, or twice the decodes' "
         "own time if longer (of the batch the waiting requests will make, while they wait; step costs timed at "
@@ -150,6 +153,7 @@ class EngineArgs:
                 max_num_batched_tokens=batched,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                max_prompts_per_step=self.max_prompts_per_step,
                 target_itl_ms=self.target_itl_ms,
                 policy=self.policy,
                 policy_options=dict(self.policy_options),

@@ -155,8 +155,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.trace is not None:
             self.trace.begin_step(self._step_id + 1, self.policy.now())
-        step = StepPlan(self.config.max_num_batched_tokens, self.step_budget, self.running,
-                        min(len(self.running) + len(self.waiting), self.config.max_num_seqs))
+        step = StepPlan(self.config.max_num_batched_tokens, self.step_budget, self.running, min(
+            len(self.running) + len(self.waiting), self.config.max_num_seqs), self.config.max_prompts_per_step)
         self._serve_running(step)
         if self.speculation is not None:  # with what the running requests' own tokens left
             self.speculation.add_drafts(step, self.requests, self.allocator, self.policy, self._active_grammars())
@@ -267,7 +267,7 @@ class Scheduler:
         if request.num_preemptions == 0:  # usage counts the prompt's hit, not a resumption's own blocks
             request.num_cached_tokens = hit_tokens
         request.status = RequestStatus.RUNNING
-        step.take(request, num, blocks, hit_tokens)
+        step.admit(request, num, blocks, hit_tokens)
         return None
 
     def observe_step_time(self, seconds: float, draft_seconds: float = 0.0) -> None:

@@ -22,7 +22,8 @@ simulator). Events:
   ``latency_target``).
 - ``blocked``: admission stopped at waiting request ``head`` for ``reason`` (``token_budget``,
   ``latency_target``: what the step's decodes left of ``--target-itl-ms``, ``seats``, ``kv_blocks``,
-  ``preempted_this_step``, ``memory``: a running request needed blocks this step); the other
+  ``preempted_this_step``, ``prompt_cap``: the step admitted ``--max-prompts-per-step`` already,
+  ``memory``: a running request needed blocks this step); the other
   ``waiting - 1`` requests waited behind it (policy order). One a step at most: the volume does
   not grow with the queue.
 - ``end``: the step ran; the events after it (finishes) carry its end time.
@@ -51,6 +52,7 @@ LATENCY_TARGET = "latency_target"  # what the step's decodes leave of --target-i
 SEATS = "seats"
 KV_BLOCKS = "kv_blocks"
 PREEMPTED_THIS_STEP = "preempted_this_step"
+PROMPT_CAP = "prompt_cap"  # the step admitted --max-prompts-per-step already
 MEMORY = "memory"
 
 

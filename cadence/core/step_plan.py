@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 
 from cadence.core.cost_model import StepShape, step_shape
-from cadence.core.scheduling_trace import LATENCY_TARGET, PREEMPTED_THIS_STEP, TOKEN_BUDGET
+from cadence.core.scheduling_trace import LATENCY_TARGET, PREEMPTED_THIS_STEP, PROMPT_CAP, TOKEN_BUDGET
 from cadence.core.step_budget import StepBudget
 from cadence.request import Request
 
@@ -19,6 +19,7 @@ class StepPlan:
     step_budget: StepBudget | None = None
     running: InitVar[Sequence[Request]] = ()  # when the step began: its decodes set the prefills' time
     batch: InitVar[int] = 0  # the decode batch the engine's requests will make (StepBudget.prefill_time)
+    max_prompts: InitVar[int] = 0  # waiting requests the step may admit (--max-prompts-per-step; 0: no cap)
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # per KV cache group
     preempted: list[Request] = field(default_factory=list)
@@ -30,8 +31,11 @@ class StepPlan:
     # Rows the step's linear layers take so far, its decodes from the start (under a latency target:
     # the first rows, up to the quantized kernel's row limit, cost more than the rest).
     rows: int = 0
+    prompts_left: float = math.inf  # waiting requests the step may still admit
 
-    def __post_init__(self, running: Sequence[Request], batch: int) -> None:
+    def __post_init__(self, running: Sequence[Request], batch: int, max_prompts: int) -> None:
+        if max_prompts:
+            self.prompts_left = max_prompts
         if self.step_budget is not None:
             decode_ends = [r.num_tokens for r in running if r.num_tokens - r.num_computed_tokens == 1]
             self.time_left = self.step_budget.prefill_time(decode_ends, batch)
@@ -46,16 +50,24 @@ class StepPlan:
         return min(self.budget, fits if fits or self.has_prefill else 1)
 
     def stop_reason(self, request: Request) -> str | None:
-        """Why admission stops at waiting ``request`` before trying it: no tokens left, or it was
-        preempted in this step (it is not readmitted in the step that took its blocks)."""
+        """Why admission stops at waiting ``request`` before trying it: no tokens left, the step
+        admitted its most prompts, or it was preempted in this step (it is not readmitted in the step
+        that took its blocks)."""
         if self.budget == 0:
             return TOKEN_BUDGET
+        if self.prompts_left <= 0:
+            return PROMPT_CAP
         return PREEMPTED_THIS_STEP if any(r is request for r in self.preempted) else None
 
     def limit(self, request: Request, start: int) -> str:
         """What bounds ``request`` now, for the scheduling trace: the latency target when its time
         leaves less than the tokens left, else the token budget."""
         return LATENCY_TARGET if self.token_budget(request, start) < self.budget else TOKEN_BUDGET
+
+    def admit(self, request: Request, num: int, blocks: list[list[int]], start: int) -> None:
+        """:meth:`take` for a waiting request: one prompt fewer left to admit."""
+        self.take(request, num, blocks, start)
+        self.prompts_left -= 1
 
     def take(self, request: Request, num: int, blocks: list[list[int]], start: int) -> None:
         self.scheduled[request.request_id] = num

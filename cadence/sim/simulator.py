@@ -60,6 +60,7 @@ class EngineLimits:
     max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    max_prompts_per_step: int = 0
     target_itl_ms: float = EngineArgs.target_itl_ms
 
     def __post_init__(self) -> None:
@@ -88,7 +89,7 @@ class EngineLimits:
                    max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
                    enable_chunked_prefill=sched.enable_chunked_prefill,
                    long_prefill_token_threshold=sched.long_prefill_token_threshold,
-                   target_itl_ms=sched.target_itl_ms)
+                   max_prompts_per_step=sched.max_prompts_per_step, target_itl_ms=sched.target_itl_ms)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -98,6 +99,7 @@ class EngineLimits:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                               max_prompts_per_step=self.max_prompts_per_step,
                                target_itl_ms=self.target_itl_ms, policy=policy, policy_options=dict(options or {}))
 
     def policy_context(self, clock: Clock | None = None) -> PolicyContext:

@@ -52,10 +52,11 @@ WHOLE = {"chunked": "false"}
 
 def make_scheduler(policy: str | type[SchedulingPolicy] = "fcfs", *, budget: int = 64, seats: int = 8,
                    num_blocks: int = 33, options: dict[str, str] | None = None, engine_chunked: bool = True,
-                   threshold: int = 0, caching: bool = True) -> Scheduler:
+                   threshold: int = 0, caching: bool = True, max_prompts: int = 0) -> Scheduler:
     name = policy if isinstance(policy, str) else policy.name
     config = SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=budget, enable_chunked_prefill=engine_chunked,
-                             long_prefill_token_threshold=threshold, policy=name, policy_options=options or {})
+                             long_prefill_token_threshold=threshold, max_prompts_per_step=max_prompts, policy=name,
+                             policy_options=options or {})
     context = PolicyContext(budget, seats, engine_chunked, threshold)
     instance = load_policy(policy, context, options) if isinstance(policy, str) else policy(context, options)
     return Scheduler(config, KVCacheManager(num_blocks, BS, caching), instance)
@@ -179,6 +180,29 @@ def test_whole_prefill_that_does_not_fit_waits_and_blocks_those_behind_it() -> N
     second = step(scheduler)
     assert second.scheduled == [("a", 1), ("b", 5), ("c", 1)]
     assert scheduler.allocator.num_free_blocks == 32 - 3 - 2 - 1
+
+
+def test_max_prompts_per_step_admits_a_burst_a_few_prompts_a_step_beside_their_decodes() -> None:
+    """Five short prompts that fit one step's budget: with a cap of two, they start two a step and the
+    first two decode beside the next ones' prefills; the cap counts admissions, not running requests."""
+    scheduler = make_scheduler("fcfs", budget=64, max_prompts=2)
+    for i, name in enumerate("abcde"):
+        scheduler.add_request(request(name, toks(100 * (i + 1), 5), max_tokens=4))
+    steps = run_to_end(scheduler)
+    assert [s.scheduled for s in steps[:3]] == [
+        [("a", 5), ("b", 5)],
+        [("a", 1), ("b", 1), ("c", 5), ("d", 5)],
+        [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 5)],
+    ]
+    uncapped = make_scheduler("fcfs", budget=64)
+    for i, name in enumerate("abcde"):
+        uncapped.add_request(request(name, toks(100 * (i + 1), 5), max_tokens=4))
+    assert step(uncapped).scheduled == [(name, 5) for name in "abcde"]
+
+
+def test_a_negative_prompt_cap_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_prompts_per_step"):
+        SchedulerConfig(max_prompts_per_step=-1)
 
 
 def flood(options: dict[str, str] | None, num_steps: int = 40) -> list[int]:

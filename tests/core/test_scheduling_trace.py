@@ -60,6 +60,22 @@ def test_a_queued_request_waits_for_a_seat_at_the_head_and_its_story_says_so(tmp
     assert "finished: length" in story and "TTFT 0.060 s, end to end 0.070 s, 0 preemption(s)" in story
 
 
+def test_a_burst_under_max_prompts_per_step_waits_for_the_prompt_cap_and_its_story_says_so(tmp_path: Path) -> None:
+    """Three short prompts at once, one admitted a step (``--max-prompts-per-step 1``, in the simulator
+    as in the engine): the second waits one step at the head for the cap, the third one behind it."""
+    path = tmp_path / "trace.jsonl"
+    workload = [RequestSpec(0.0, 4, 2, request_id=name) for name in "abc"]
+    limits = EngineLimits(num_kv_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=64,
+                          max_prompts_per_step=1, target_itl_ms=0.0)
+    simulate(workload, limits, "fcfs", CostModel.constant(0.01), trace_scheduling=path)
+    blocked = [(e["step"], e["head"], e["reason"], e["waiting"]) for e in events(path) if e["event"] == "blocked"]
+    assert blocked == [(1, "b", "prompt_cap", 2), (2, "c", "prompt_cap", 1)]
+    stories = TraceFile(path).stories
+    assert [why for _, why in stories["c"].waits] == ["behind the head: prompt_cap",
+                                                      "at the head of the queue: prompt_cap"]
+    assert stories["a"].ttft == pytest.approx(0.01) and stories["c"].ttft == pytest.approx(0.03)
+
+
 def test_preemptions_name_who_they_made_room_for(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     # Five blocks of 4 tokens: two requests that each grow to 10 tokens cannot both keep theirs.

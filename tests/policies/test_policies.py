@@ -68,6 +68,7 @@ POLICY_RUNS: dict[str, dict[str, Any]] = {
     "sjf": {"policy": "sjf", "policy_options": {"aging": "2"}},
     "fair": {"policy": "fair"},
     "fair-chunked": {"policy": "fair", "policy_options": {"chunked": "true"}},
+    "prompt-cap": {"max_prompts_per_step": 2},  # not a policy: a bound under every one
 }
 
 
@@ -96,6 +97,8 @@ def test_policies_reorder_but_never_change_greedy_tokens(workload: tuple, run: s
     assert _greedy(llm, prompts, priorities, users) == fcfs
     if run.startswith("priority"):
         assert llm.engine_core.scheduler.num_preemptions > 0  # 24 blocks of 8 do not hold the batch
+    if run == "prompt-cap":
+        assert llm.engine_core.scheduler.config.max_prompts_per_step == 2
 
 
 def test_generate_takes_one_priority_and_user_per_prompt(make_tiny_model: Callable[..., Path]) -> None:
