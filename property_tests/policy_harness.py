@@ -90,12 +90,13 @@ class Trace:
 def build_scheduler(policy: str, options: dict[str, str] | None = None, *, budget: int, max_num_seqs: int,
                     num_blocks: int, block_size: int, prefix_caching: bool = True,
                     engine_chunked: bool = True, long_prefill_token_threshold: int = 0,
-                    target_itl_ms: float = 0.0) -> Scheduler:
+                    target_itl_ms: float = 0.0, max_prompts_per_step: int = 0) -> Scheduler:
     allocator = KVCacheManager(num_blocks, block_size, prefix_caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              enable_chunked_prefill=engine_chunked,
                              long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
-                             policy_options=options or {}, target_itl_ms=target_itl_ms)
+                             policy_options=options or {}, target_itl_ms=target_itl_ms,
+                             max_prompts_per_step=max_prompts_per_step)
     # Arrivals are stamped with their step number, and the clock reads it too. Every run writes its
     # scheduling trace, which :func:`run` checks against the steps and reads the reasons from.
     fd, path = tempfile.mkstemp(suffix=".jsonl")
@@ -131,6 +132,9 @@ def run(scheduler: Scheduler, workload: list[Arrival], seed: int = 0, eos_rate: 
         waiting_before = [r.request_id for r in scheduler.waiting]
         out = scheduler.schedule()
         _check_step(scheduler, out, on_worker, budget)
+        if scheduler.config.max_prompts_per_step:  # waiting requests admitted, resumed ones included
+            admitted = [r for r in waiting_before if r in out.num_scheduled_tokens]
+            assert len(admitted) <= scheduler.config.max_prompts_per_step, f"admitted {admitted}"
         model_output = _fake_model(scheduler, out, rng, eos_rate)
         trace.steps.append(StepRecord(
             output=out,

@@ -75,7 +75,7 @@ def test_fast_forward_reports_what_the_steps_one_by_one_report(
                           max_model_len=max_len, enable_prefix_caching=caching,
                           max_num_seqs=data.draw(st.integers(1, 8)),
                           max_num_batched_tokens=data.draw(st.sampled_from([8, 32, 96])),
-                          target_itl_ms=target_itl_ms)
+                          max_prompts_per_step=data.draw(st.sampled_from([0, 1, 3])), target_itl_ms=target_itl_ms)
     runs = []
     with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
         for fast_forward in (False, True):

@@ -42,12 +42,13 @@ USERS = ["ann", "bob", "cy", None]
     aging=st.sampled_from(["0.5", "1", "4"]),
     # With the built-in step-time model, 20 ms leaves prefills a few tokens beside a decode or two.
     target_itl_ms=st.sampled_from([0.0, 20.0, 60.0]),
+    max_prompts_per_step=st.sampled_from([0, 1, 2]),
     seed=st.integers(0, 2**16),
 )
 def test_every_policy_keeps_the_limits_and_its_promise(
     policy: str, chunked: str | None, workload: list[Arrival], block_size: int, spare_blocks: int,
     max_num_seqs: int, budget: int, engine_chunked: bool, prefix_caching: bool, aging: str,
-    target_itl_ms: float, seed: int,
+    target_itl_ms: float, max_prompts_per_step: int, seed: int,
 ) -> None:
     if not engine_chunked:
         # The engine's config guarantees this when prompts may not be split.
@@ -60,7 +61,7 @@ def test_every_policy_keeps_the_limits_and_its_promise(
     scheduler = build_scheduler(policy, options, budget=budget, max_num_seqs=max_num_seqs,
                                 num_blocks=pool_for(workload, block_size, spare_blocks), block_size=block_size,
                                 prefix_caching=prefix_caching, engine_chunked=engine_chunked,
-                                target_itl_ms=target_itl_ms)
+                                target_itl_ms=target_itl_ms, max_prompts_per_step=max_prompts_per_step)
     trace = run(scheduler, workload, seed)
     event(f"{policy}: {'preempted' if scheduler.num_preemptions else 'no preemption'}")
     if policy == "priority":
@@ -116,11 +117,13 @@ def check_priority(trace: Trace) -> None:
         outranked = [i for i in record.running_after if requests[i].priority > best.priority]
         if not outranked:
             continue
-        # The only excuse is the step's budget: with chunking any tokens left would admit a chunk,
-        # unless the latency target's time went to the running requests' chunks (they draw first).
+        # The only excuses are the step's budget (with chunking any tokens left would admit a chunk,
+        # unless the latency target's time went to the running requests' chunks: they draw first)
+        # and --max-prompts-per-step, once the step admitted that many (in priority order).
         budget_short = record.budget_left == 0 or (not trace.policy.chunked and record.budget_left < best.num_tokens)
         time_short = trace.scheduler.step_budget is not None and record.blocked == "latency_target"
-        assert budget_short or time_short, (
+        capped = record.blocked == "prompt_cap"
+        assert budget_short or time_short or capped, (
             f"step {record.output.step_id}: {best.request_id} (priority {best.priority}) waits while {outranked} "
             f"of lower priority run, {record.budget_left} tokens left, admission stopped for {record.blocked}")
 
