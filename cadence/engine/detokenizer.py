@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
 # What a lossy UTF-8 decode yields for bytes that do not (yet) form a character.
 _REPLACEMENT = "\ufffd"
+# A character is at most 4 bytes and a token at least one, so tokens held this long hold bytes that
+# can never form one (a model looping on a stray byte): they are released as U+FFFD, as decode
+# shows them, but for the last 3, which the next tokens could still complete (byte-fallback
+# decoders give each byte of an unfinished character its own U+FFFD).
+_BROKEN_AFTER_TOKENS = 4
+_UNFINISHED_REPLACEMENTS = 3
 # Prompt tokens decoded ahead of the output so its first tokens decode in context (a SentencePiece
 # leading space, a WordPiece "##" join); vLLM's numbers. A few tokens settle any such rule; the upper
 # bound caps the search when no suffix decodes cleanly (the prompt ends mid-character).
@@ -54,6 +60,8 @@ class IncrementalDetokenizer:
     because the output is decoded as a continuation of the prompt), cut at the first stop string.
 
     - A character whose UTF-8 bytes span several tokens is released once complete, never as U+FFFD.
+      Bytes that can never form one are released as U+FFFD once 4 tokens are held, so a stream of
+      them is not silent until its end.
     - With stop strings, the last ``max(len(s) for s in params.stop) - 1`` characters are held back,
       so a stop string that arrives over several steps is never partly released.
     - When several stop strings match, the one that ends first wins (ties: the longer one), which is
@@ -202,33 +210,44 @@ class _FastStream:
         self._backend = backend
         self._skip = skip_special_tokens
         self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
-        # Kept only for ``flush``: DecodeStream does not expose the tokens it is still holding.
+        # Kept for ``flush`` and broken bytes: DecodeStream does not expose the tokens it is holding.
         self._context = context
         self._output_ids: list[int] = []
         self._released_chars = 0
-        self._holding = False  # tokens fed since the stream last released text
+        self._held = 0  # tokens fed since the stream last released text
+        self._forced = 0  # characters of its held text released as broken bytes since then
 
     def step(self, token_ids: Sequence[int]) -> str:
         self._output_ids.extend(token_ids)
         ids: int | list[int] = token_ids[0] if len(token_ids) == 1 else list(token_ids)
         text = self._stream.step(self._backend, ids)
         if text is None:
-            self._holding = True
-            return ""
-        self._holding = False
+            self._held += len(token_ids)
+            if self._held < _BROKEN_AFTER_TOKENS:
+                return ""
+            pending = self._unreleased()  # rare: a full decode is fine
+            text = pending[:len(pending) - _unfinished(pending)]
+            self._forced += len(text)
+        else:
+            text = text[self._forced:]  # the stream's text starts where it began to hold
+            self._held = self._forced = 0
         self._released_chars += len(text)
         return text
 
     def flush(self) -> str:
-        if not self._holding:
+        if not self._held:
             return ""
-        self._holding = False
         # Rare (the sequence ended mid-character or on a skipped special token), so one full decode is fine.
-        context_chars = len(self._backend.decode(self._context, self._skip))
-        full = self._backend.decode(self._context + self._output_ids, self._skip)
-        text = full[context_chars + self._released_chars:]
+        text = self._unreleased()
+        self._held = self._forced = 0
         self._released_chars += len(text)
         return text
+
+    def _unreleased(self) -> str:
+        """The output's decoded text after what was released, incomplete characters as U+FFFD."""
+        context_chars = len(self._backend.decode(self._context, self._skip))
+        full = self._backend.decode(self._context + self._output_ids, self._skip)
+        return full[context_chars + self._released_chars:]
 
 
 class _OffsetStream:
@@ -247,6 +266,7 @@ class _OffsetStream:
         self._tokens: list[str] = list(tokenizer.convert_ids_to_tokens(context, skip_special_tokens))
         self._prefix = 0
         self._read = len(self._tokens)
+        self._forced = 0  # characters after ``read`` released as broken bytes
 
     def step(self, token_ids: Sequence[int]) -> str:
         self._tokens.extend(self._tokenizer.convert_ids_to_tokens(list(token_ids), self._skip))
@@ -259,7 +279,19 @@ class _OffsetStream:
         to_string = self._tokenizer.convert_tokens_to_string
         prefix_text = to_string(self._tokens[self._prefix:self._read])
         text = to_string(self._tokens[self._prefix:])
-        if len(text) <= len(prefix_text) or (text.endswith(_REPLACEMENT) and not final):
+        start = len(prefix_text) + self._forced
+        if len(text) <= start:
             return ""
-        self._prefix, self._read = self._read, len(self._tokens)
-        return text[len(prefix_text):]
+        if text.endswith(_REPLACEMENT) and not final:
+            if len(self._tokens) - self._read < _BROKEN_AFTER_TOKENS:
+                return ""
+            broken = text[start:len(text) - _unfinished(text)]
+            self._forced += len(broken)
+            return broken
+        self._prefix, self._read, self._forced = self._read, len(self._tokens), 0
+        return text[start:]
+
+
+def _unfinished(text: str) -> int:
+    """How many of ``text``'s trailing U+FFFD the next tokens could still turn into a character."""
+    return min(_UNFINISHED_REPLACEMENTS, len(text) - len(text.rstrip(_REPLACEMENT)))

@@ -186,6 +186,37 @@ def test_flush_releases_incomplete_character_as_decode_does(tokenizer, any_token
     assert detokenizer.output_text == tokenizer.decode(ids)
 
 
+def test_bytes_that_never_form_a_character_are_released_as_replacement_characters(tokenizer, any_tokenizer):
+    """A model looping on a stray UTF-8 continuation byte (seed 11 of the prefix-repetition bench did,
+    128 times): after 4 held tokens every U+FFFD but the last 3 is released, instead of the stream
+    staying silent to its end; the text is still decode's."""
+    stray = 24211
+    assert tokenizer.decode([stray]) == "\ufffd" and tokenizer.decode([stray] * 2) == "\ufffd" * 2
+    ids = [stray] * 12 + tokenizer.encode(" ok")
+    detokenizer = make_detokenizer(any_tokenizer)
+    texts = [u.new_text for u in feed(detokenizer, ids)]
+    assert texts[:12] == [""] * 3 + ["\ufffd"] * 9
+    assert "".join(texts) + detokenizer.flush() == tokenizer.decode(ids) == "\ufffd" * 12 + " ok"
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(111, 251), st.integers(0, VOCAB_SIZE - 1)), min_size=1, max_size=40),
+       chunks=st.lists(st.integers(1, 4), min_size=1, max_size=4))
+def test_runs_of_byte_tokens_match_decode(any_tokenizer, ids, chunks):
+    # SmolLM2's single-byte tokens (lead and continuation bytes among them) in runs long enough to
+    # release broken bytes early: what was released as U+FFFD must be what decode shows.
+    expected = any_tokenizer.decode(ids, skip_special_tokens=True)
+    assert streamed(make_detokenizer(any_tokenizer), ids, chunks) == expected
+
+
+def test_an_unfinished_character_after_stray_bytes_is_still_held_until_complete(tokenizer, any_tokenizer):
+    ids = [24211] * 5 + tokenizer.encode("界")  # 3 tokens: its bytes one by one
+    detokenizer = make_detokenizer(any_tokenizer)
+    texts = [u.new_text for u in feed(detokenizer, ids)]
+    assert "".join(texts) == tokenizer.decode(ids) == "\ufffd" * 5 + "界"
+    assert "界" in texts[-1] and not any("界" in t for t in texts[:-1])
+
+
 # --- special tokens -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("skip", "expected"), [
