@@ -185,19 +185,19 @@ def test_whole_prefill_that_does_not_fit_waits_and_blocks_those_behind_it() -> N
 def test_max_prompts_per_step_admits_a_burst_a_few_prompts_a_step_beside_their_decodes() -> None:
     """Five short prompts that fit one step's budget: with a cap of two, they start two a step and the
     first two decode beside the next ones' prefills; the cap counts admissions, not running requests."""
-    scheduler = make_scheduler("fcfs", budget=64, max_prompts=2)
-    for i, name in enumerate("abcde"):
-        scheduler.add_request(request(name, toks(100 * (i + 1), 5), max_tokens=4))
-    steps = run_to_end(scheduler)
+    def burst(max_prompts: int) -> Scheduler:
+        scheduler = make_scheduler("fcfs", budget=64, max_prompts=max_prompts)
+        for i, name in enumerate("abcde"):
+            scheduler.add_request(request(name, toks(100 * (i + 1), 5), max_tokens=4))
+        return scheduler
+
+    steps = run_to_end(burst(2))
     assert [s.scheduled for s in steps[:3]] == [
         [("a", 5), ("b", 5)],
         [("a", 1), ("b", 1), ("c", 5), ("d", 5)],
         [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 5)],
     ]
-    uncapped = make_scheduler("fcfs", budget=64)
-    for i, name in enumerate("abcde"):
-        uncapped.add_request(request(name, toks(100 * (i + 1), 5), max_tokens=4))
-    assert step(uncapped).scheduled == [(name, 5) for name in "abcde"]
+    assert step(burst(0)).scheduled == [(name, 5) for name in "abcde"]
 
 
 def test_a_negative_prompt_cap_is_refused() -> None:
