@@ -2,9 +2,9 @@
 
 Runs of decode-only steps taken in one call, and cut short by arrivals, must leave every step record,
 every token's time, every finish and preemption exactly as the steps one by one: over random
-workloads (bursts, arrivals on step boundaries, shared prefixes), KV pools small enough to preempt,
-block sizes down to one token, prefix caching on and off, the step budget's running refits, the
-policies that allow it and fleets behind the routers that route by load.
+workloads (bursts, arrivals on step boundaries, shared prefixes, the same prompt twice), KV pools
+small enough to preempt, block sizes down to one token, prefix caching on and off, the step budget's
+running refits, the policies that allow it and fleets behind the routers that route by load.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from cadence.core.cost_model import CostModel
-from cadence.sim import run_loop
+from cadence.sim import decode_run, run_loop
 from cadence.sim.simulator import EngineLimits, SimResult, simulate
 from cadence.sim.workload import RequestSpec
 
@@ -34,12 +34,15 @@ _COST_MODELS = [
 @st.composite
 def _workloads(draw: st.DrawFn, max_len: int) -> list[RequestSpec]:
     prefix = tuple(range(5, 5 + draw(st.integers(0, 24))))  # shared by the requests that take it
-    specs = []
+    specs: list[RequestSpec] = []
     for i in range(draw(st.integers(1, 14))):
         arrival = draw(st.integers(0, 80)) / 1000  # on the millisecond grid, often together
         own = draw(st.integers(1, 30))
         prompt = (*prefix, *range(1000 * (i + 1), 1000 * (i + 1) + own)) if draw(st.booleans()) else None
-        length = own + len(prefix) if prompt is not None else own
+        twins = [s.prompt_token_ids for s in specs if s.prompt_token_ids is not None]
+        if twins and draw(st.booleans()):  # an earlier prompt again: both generate blocks of the same hashes
+            prompt = draw(st.sampled_from(twins))
+        length = len(prompt) if prompt is not None else own
         output = draw(st.integers(1, max(1, min(60, max_len - length))))
         specs.append(RequestSpec(arrival, length, output, priority=draw(st.integers(0, 2)),
                                  request_id=f"r{i}", prompt_token_ids=prompt))
@@ -77,11 +80,14 @@ def test_fast_forward_reports_what_the_steps_one_by_one_report(
                           max_num_batched_tokens=data.draw(st.sampled_from([8, 32, 96])),
                           max_prompts_per_step=data.draw(st.sampled_from([0, 1, 3])), target_itl_ms=target_itl_ms)
     runs = []
-    with mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk:
+    with (mock.patch.object(run_loop, "commit", wraps=run_loop.commit) as bulk,
+          mock.patch.object(decode_run, "_grow_in_turn", wraps=decode_run._grow_in_turn) as in_turn):
         for fast_forward in (False, True):
             runs.append(simulate(workload, limits, policy, _COST_MODELS[cost], engines=engines, router=router,
                                  max_steps=20_000, fast_forward=fast_forward))
     event(f"steps taken in bulk: {'some' if bulk.call_count else 'none'}")
+    # Blocks whose hashes another request cached first: the run's allocations one by one, in order.
+    event(f"allocations of a run in turn: {'some' if in_turn.call_count else 'none'}")
     _same(*runs)
 
 

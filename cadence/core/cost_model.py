@@ -209,8 +209,13 @@ class CostModel:
         whose contexts sum to each of ``kv_tokens``, bit for bit: the terms :meth:`step_time` adds
         that are not zero, in its order (adding 0.0 changes no sum of non-negative terms)."""
         c: tuple[float, ...] = self._c  # type: ignore[attr-defined]
-        return ((c[0] + c[2] * num_seqs + c[3] * kv_tokens) + c[6] * num_seqs
-                + c[8] * kernel_rows(num_seqs, self.row_limit))
+        times = c[3] * kv_tokens
+        times += c[0] + c[2] * num_seqs  # a sum of two floats is the same either way round
+        times += c[6] * num_seqs
+        rows = c[8] * kernel_rows(num_seqs, self.row_limit)
+        if rows:
+            times += rows
+        return times
 
     def predict(self, features: np.ndarray) -> np.ndarray:
         """:meth:`step_time` of steps given as rows of :data:`FEATURES` values (to rounding)."""

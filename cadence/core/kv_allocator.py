@@ -244,6 +244,26 @@ class KVAllocator(PoolViews):
         self._cache_up_to(request, state, num_total_tokens)
         return [b.block_id for b in new_blocks]
 
+    def grow_unordered(self, requests: Sequence[KVRequest], takers: Sequence[int], totals: Sequence[int]) -> bool:
+        """What :meth:`grow` calls in any order would leave where ``requests[k]`` takes a block for each
+        ``k`` in ``takers`` (in turn) and ends with ``totals[k]`` slots (tokens), if their order cannot
+        matter: no block to offer the prefix cache has its hash cached already or twice (a take evicts
+        only cached hashes, never a held block). Else False, taking nothing. The pool has the blocks."""
+        states = [self._requests[request.request_id] for request in requests]
+        offered: list[int] = []
+        for request, state, num in zip(requests, states, totals, strict=True):
+            num_full = min(num, request.num_tokens) // self._block_size if self._caching else 0
+            self._extend_hashes(request, state.hashes, num_full)
+            offered += state.hashes[state.num_cached:num_full]
+        if len(set(offered)) != len(offered) or not self._hash_to_block.keys().isdisjoint(offered):
+            return False
+        for k, block in zip(takers, self._pool.take(len(takers)), strict=True):
+            states[k].blocks.append(block)
+        for request, state, num in zip(requests, states, totals, strict=True):
+            state.request = request
+            self._cache_up_to(request, state, num)
+        return True
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks (finished, aborted or preempted); unknown ids are a no-op.
 
@@ -330,8 +350,9 @@ class KVAllocator(PoolViews):
 
     def _extend_hashes(self, request: KVRequest, hashes: list[int], n: int) -> None:
         """Hash the request's full blocks up to block ``n`` (exclusive), from where the memo ends."""
-        hashes.extend(block_hashes(request.all_token_ids, self._block_size, n, request.cache_salt,
-                                   start=len(hashes), parent=hashes[-1] if hashes else None))
+        if len(hashes) < n:
+            hashes.extend(block_hashes(request.all_token_ids, self._block_size, n, request.cache_salt,
+                                       start=len(hashes), parent=hashes[-1] if hashes else None))
 
     def _cache_up_to(self, request: KVRequest, state: RequestBlocks, num_total_tokens: int) -> None:
         """Offer the prefix cache every block full of known tokens among the first ``num_total_tokens``."""

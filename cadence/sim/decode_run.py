@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cadence.core.cost_model import CostModel, StepShape, decode_shape
+from cadence.core.kv_allocator import KVAllocator
 from cadence.core.scheduler import Scheduler
 from cadence.messages import EngineCoreOutput
 from cadence.request import Request, RequestStatus
@@ -37,7 +38,7 @@ class DecodeRun:
     from ``starts[0]``; ``starts[j + 1]`` is step ``j``'s end."""
 
     requests: list[Request]
-    tokens: np.ndarray  # each request's length when the run began
+    tokens: list[int]  # each request's length when the run began
     starts: np.ndarray
     durations: np.ndarray
     kv_tokens: np.ndarray
@@ -51,11 +52,11 @@ class DecodeRun:
 
     def steps_begun_before(self, time: float) -> int:
         """How many of the run's steps had begun by ``time`` (a request arriving then waits for the next)."""
-        return int(np.searchsorted(self.starts[:-1], time, side="left"))
+        return int(self.starts[:-1].searchsorted(time, side="left"))  # the method: a call less than np's
 
     def steps_ended_before(self, time: float) -> int:
         """How many of the run's steps had ended by ``time`` (an arrival then is routed after their KV events)."""
-        return int(np.searchsorted(self.starts[1:], time, side="left"))
+        return int(self.starts[1:].searchsorted(time, side="left"))
 
     def shape(self, step: int) -> StepShape:
         return decode_shape(len(self.requests), int(self.kv_tokens[step]), self.row_limit)
@@ -74,37 +75,52 @@ def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max
             or allocator.groups[0].sliding_window is not None
             or len(scheduler.running) > scheduler.config.max_num_batched_tokens):
         return None
-    running = scheduler.running
-    # Each request has sampled a token: the blocks a run fills then all hold generated tokens, which no
-    # prompt holds (a prompt whose last token is still to compute could fill a block of its own).
-    if any(r.num_tokens - r.num_computed_tokens != 1 or not r.num_output_tokens for r in running):
-        return None
-    # Up to the step that finishes the first request (its finish is applied at the run's end).
-    num_steps = min(min(r.max_tokens - r.num_output_tokens for r in running), max_steps)
-    if num_steps < _MIN_STEPS or not all(_ends_by_length(r) for r in running):
-        return None
-    requests = [scheduler.requests[view.request_id] for view in scheduler.policy.order_running(running)]
-    tokens = np.array([r.num_tokens for r in requests], dtype=np.int64)
-    step = np.arange(num_steps, dtype=np.int64)
-    # Step j computes position tokens + j - 1 of each request: a new block where that starts one.
-    takes_by_residue = np.bincount((1 - tokens) % allocator.block_size, minlength=allocator.block_size)
-    free_blocks = allocator.num_free_blocks - np.cumsum(takes_by_residue[step % allocator.block_size])
-    num_steps = int(np.searchsorted(-free_blocks, 0, side="right"))  # until a step finds none
+    num_steps = max_steps  # up to the step that finishes the first request (its finish is applied at the run's end)
+    for r in scheduler.running:
+        # Each request has sampled a token: the blocks a run fills then all hold generated tokens, which no
+        # prompt holds (a prompt whose last token is still to compute could fill a block of its own).
+        if r.num_tokens - r.num_computed_tokens != 1 or not r.num_output_tokens or not _ends_by_length(r):
+            return None
+        num_steps = min(num_steps, r.max_tokens - r.num_output_tokens)
     if num_steps < _MIN_STEPS:
         return None
-    step = step[:num_steps]
-    kv_tokens = int(tokens.sum()) + len(requests) * step
+    requests = [scheduler.requests[view.request_id] for view in scheduler.policy.order_running(scheduler.running)]
+    lengths = [r.num_tokens for r in requests]
+    # Step j computes position length + j - 1 of each request: a new block where that starts one, so
+    # step j takes takes[j % block_size] blocks. Python, not numpy: a handful of requests.
+    block_size = allocator.block_size
+    takes = [0] * block_size
+    for length in lengths:
+        takes[(1 - length) % block_size] += 1
+    num_steps = min(num_steps, _steps_with_blocks(takes, allocator.num_free_blocks))  # until a step finds none
+    if num_steps < _MIN_STEPS:
+        return None
+    step = np.arange(num_steps, dtype=np.int64)
+    taken = np.array(takes)[step % block_size]
+    free_blocks = allocator.num_free_blocks - taken.cumsum()
+    kv_tokens = np.arange(sum(lengths), sum(lengths) + len(lengths) * num_steps, len(lengths), dtype=np.int64)
     durations = cost_model.decode_step_times(len(requests), kv_tokens)
     if noise is not None:
         durations = durations * noise(num_steps)
     starts = np.add.accumulate(np.concatenate(([now], durations)))  # each end as now + duration, in turn
     evictions: dict[int, int] = {}
     if allocator.enable_kv_events:  # the k-th block taken is the free list's k-th, whatever takes it
-        take_steps = np.repeat(step, takes_by_residue[step % allocator.block_size]).tolist()
+        take_steps = np.repeat(step, taken).tolist()
         evicted = allocator.eviction_order(len(take_steps))
         evictions = {h: s for h, s in zip(evicted, take_steps, strict=True) if h is not None}
-    return DecodeRun(requests, tokens, starts, durations, kv_tokens, free_blocks[:num_steps], evictions,
-                     cost_model.row_limit)
+    return DecodeRun(requests, lengths, starts, durations, kv_tokens, free_blocks, evictions, cost_model.row_limit)
+
+
+def _steps_with_blocks(takes: list[int], num_free: int) -> int:
+    """How many steps find the blocks they take among ``num_free``, step j taking ``takes[j % len(takes)]``."""
+    periods, left = divmod(num_free, sum(takes))  # sum(takes) > 0: each request takes a block a period
+    num_steps = periods * len(takes)
+    for num in takes:
+        left -= num
+        if left < 0:
+            break
+        num_steps += 1
+    return num_steps
 
 
 def _ends_by_length(request: Request) -> bool:
@@ -123,18 +139,19 @@ def commit(run: DecodeRun, start: int, stop: int, scheduler: Scheduler, tracker:
     allocator = scheduler.allocator
     block_size = allocator.block_size
     new_tokens = [SIMULATED_TOKEN_ID] * (stop - start)
-    lengths = run.tokens.tolist()
-    calls: list[tuple[int, int]] = []  # (step, index in the running order): the allocations that do work
-    for i, (request, length) in enumerate(zip(run.requests, lengths, strict=True)):
+    lengths = run.tokens
+    for request in run.requests:
         request.output_token_ids.extend(new_tokens)  # blocks are hashed only up to each call's position
         request.all_token_ids.extend(new_tokens)
-        calls.extend((step, i) for step in range(_first(start, 1 - length, block_size), stop, block_size))
-        if allocator.enable_prefix_caching:  # step j fills a block where its position ends one
-            calls.extend((step, i) for step in range(_first(start, -length, block_size), stop, block_size))
+    # (step, index in the running order) of each block taken: step j computes position length + j - 1.
+    takes = sorted((step, i) for i, length in enumerate(lengths)
+                   for step in range(_first(start, 1 - length, block_size), stop, block_size))
     group = allocator.groups[0]  # the only one, without a window (the plan checked)
-    for step, i in sorted(set(calls)):  # step j computes position length + j - 1: slots up to length + j
-        if group.grow(run.requests[i], lengths[i] + step) is None:
-            raise RuntimeError(f"a planned decode run found no free block for {run.requests[i].request_id!r}")
+    if len(takes) > group.num_free_blocks:
+        raise RuntimeError(f"a planned decode run found {group.num_free_blocks} free blocks for {len(takes)}")
+    # Step stop - 1 ends with slots up to length + stop - 1; in one go when the calls' order cannot matter.
+    if not group.grow_unordered(run.requests, [i for _, i in takes], [length + stop - 1 for length in lengths]):
+        _grow_in_turn(group, run.requests, takes, lengths, start, stop)
     for request, length in zip(run.requests, lengths, strict=True):
         request.num_computed_tokens = length - 1 + stop
     if scheduler.step_budget is not None:
@@ -145,6 +162,18 @@ def commit(run: DecodeRun, start: int, stop: int, scheduler: Scheduler, tracker:
         return []
     return scheduler.finish_requests([r.request_id for r in run.requests if r.num_output_tokens >= r.max_tokens],
                                      RequestStatus.FINISHED_LENGTH)
+
+
+def _grow_in_turn(group: KVAllocator, requests: list[Request], takes: list[tuple[int, int]], lengths: list[int],
+                  start: int, stop: int) -> None:
+    """The allocations of steps ``start`` to ``stop`` that do work, one by one in the steps' order: the
+    block takes, and with prefix caching the fills (step j fills a block where its position ends one)."""
+    calls = list(takes)
+    if group.enable_prefix_caching:
+        calls.extend((step, i) for i, length in enumerate(lengths)
+                     for step in range(_first(start, -length, group.block_size), stop, group.block_size))
+    for step, i in sorted(set(calls)):  # step j computes position length + j - 1: slots up to length + j
+        group.grow(requests[i], lengths[i] + step)
 
 
 def _first(start: int, residue: int, block_size: int) -> int:

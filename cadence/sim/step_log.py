@@ -29,38 +29,57 @@ class StepRecord:
     engine: int = 0
 
 
-# Each field's array type code: doubles for times and usage, 32-bit ints for the counts (a step's KV
-# tokens are at most its engine's pool).
-_CODES = {name: "d" if name in ("start", "duration", "kv_usage") else "i" for name in StepRecord.__slots__}
+# The fields that differ between the steps of a run of decode-only steps, each in its own typed column:
+# doubles for times and usage, 32-bit ints for KV tokens (at most the engine's pool).
+_OWN_CODES = {"start": "d", "duration": "d", "kv_tokens": "i", "kv_usage": "d"}
+# The other fields, counts that a run's steps share, as 32-bit ints packed step by step in one array:
+# a run adds them in one call, not eight (as twelve columns the log cost a tenth of a fleet simulation).
+_PACKED = tuple(name for name in StepRecord.__slots__ if name not in _OWN_CODES)
+_FIELDS = dict.fromkeys(StepRecord.__slots__)  # every field, in order (a dict: its keys compare as a set)
 
 
 class StepLog(Sequence[StepRecord]):
     """Steps in the order they were added, each read back as a :class:`StepRecord`."""
 
     def __init__(self) -> None:
-        self._columns: dict[str, array[Any]] = {name: array(code) for name, code in _CODES.items()}
+        self._columns: dict[str, array[Any]] = {name: array(code) for name, code in _OWN_CODES.items()}
+        self._packed: array[int] = array("i")  # len(_PACKED) values a step
 
     def append(self, record: StepRecord) -> None:
         for name, column in self._columns.items():
             column.append(getattr(record, name))
+        self._packed.extend([getattr(record, name) for name in _PACKED])
 
     def extend_columns(self, columns: Mapping[str, np.ndarray | float], num: int) -> None:
         """Add ``num`` steps given field by field (every field): an array of ``num`` values, or one
         value they all share."""
-        if columns.keys() != self._columns.keys():
+        if columns.keys() != _FIELDS.keys():
             raise ValueError(f"need every step field, got {sorted(columns)}")
+        for name, values in columns.items():
+            if isinstance(values, np.ndarray) and len(values) != num:
+                raise ValueError(f"{name}: {len(values)} values for {num} steps")
         for name, column in self._columns.items():
             values = columns[name]
             if isinstance(values, np.ndarray):
-                if len(values) != num:
-                    raise ValueError(f"{name}: {len(values)} values for {num} steps")
                 column.frombytes(np.ascontiguousarray(values, dtype=column.typecode).data.cast("B"))
             else:
                 column.extend(array(column.typecode, (values,)) * num)
+        shared = [columns[name] for name in _PACKED]
+        if any(isinstance(values, np.ndarray) for values in shared):
+            rows = np.empty((num, len(_PACKED)), dtype=self._packed.typecode)
+            for k, values in enumerate(shared):
+                rows[:, k] = values
+            self._packed.frombytes(rows.data.cast("B"))
+        else:
+            self._packed.extend(array(self._packed.typecode, shared) * num)  # type: ignore[arg-type]
 
     def column(self, name: str) -> np.ndarray:
         """One field of every step (a read-only view, no copy)."""
-        view = np.frombuffer(self._columns[name], dtype=self._columns[name].typecode)
+        if name in self._columns:
+            view = np.frombuffer(self._columns[name], dtype=self._columns[name].typecode)
+        else:
+            packed = np.frombuffer(self._packed, dtype=self._packed.typecode)
+            view = packed.reshape(-1, len(_PACKED))[:, _PACKED.index(name)]
         view.flags.writeable = False
         return view
 
@@ -69,7 +88,7 @@ class StepLog(Sequence[StepRecord]):
         """Several engines' steps as one log, by start (then engine)."""
         if len(logs) == 1:
             return logs[0]
-        columns = {name: np.concatenate([log.column(name) for log in logs]) for name in _CODES}
+        columns = {name: np.concatenate([log.column(name) for log in logs]) for name in _FIELDS}
         order = np.lexsort((columns["engine"], columns["start"]))
         log = cls()
         log.extend_columns({name: values[order] for name, values in columns.items()}, len(order))
@@ -87,14 +106,21 @@ class StepLog(Sequence[StepRecord]):
     def __getitem__(self, index: int | slice) -> StepRecord | list[StepRecord]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        return StepRecord(*(column[index] for column in self._columns.values()))
+        if not -len(self) <= index < len(self):
+            raise IndexError("step index out of range")
+        index %= len(self)
+        row = self._packed[index * len(_PACKED):(index + 1) * len(_PACKED)]
+        fields = {name: column[index] for name, column in self._columns.items()} | dict(zip(_PACKED, row, strict=True))
+        return StepRecord(**fields)
 
     def __iter__(self) -> Iterator[StepRecord]:
-        return map(StepRecord, *self._columns.values())
+        fields = self._columns | {name: self._packed[k::len(_PACKED)] for k, name in enumerate(_PACKED)}
+        return map(StepRecord, *(fields[name] for name in _FIELDS))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StepLog):
-            return self._columns == other._columns
+            return self._columns == other._columns and self._packed == other._packed
         return isinstance(other, Sequence) and list(self) == list(other)
 
     __hash__ = None  # type: ignore[assignment]  # mutable
+

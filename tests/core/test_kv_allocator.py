@@ -191,6 +191,41 @@ def test_decode_registers_a_block_when_it_fills():
     alloc.check_integrity()
 
 
+def _two_decoding(prompt_b: list[int]) -> tuple[KVAllocator, FakeRequest, FakeRequest]:
+    """Requests a (3 tokens) and b, each holding its blocks, then 6 more tokens each (a decode run's)."""
+    alloc = KVAllocator(num_blocks=10, block_size=4)
+    a, b = FakeRequest("a", tokens(1, 3)), FakeRequest("b", prompt_b)
+    admit(alloc, a)
+    admit(alloc, b)
+    for req in (a, b):
+        req.all_token_ids.extend([7] * 6)
+    return alloc, a, b
+
+
+def test_grow_unordered_leaves_what_the_grow_calls_in_the_steps_order_leave():
+    one_by_one, a, b = _two_decoding(tokens(50, 6))
+    # a fills its first block at 4 tokens and takes one at 5 and 9; b fills at 8 and 12 and takes at 9.
+    for req, num in ((a, 4), (a, 5), (b, 8), (a, 9), (b, 9), (b, 12)):
+        one_by_one.grow(req, num)
+    in_one_go, c, d = _two_decoding(tokens(50, 6))
+    assert in_one_go.grow_unordered([c, d], [0, 0, 1], [9, 12])
+    one_by_one.check_integrity()
+    in_one_go.check_integrity()
+    assert [in_one_go.block_ids(r) for r in "ab"] == [one_by_one.block_ids(r) for r in "ab"] == [[1, 4, 5], [2, 3, 6]]
+    assert in_one_go.free_block_ids() == one_by_one.free_block_ids()
+    for alloc in (one_by_one, in_one_go):  # a's first two blocks are full and cached, b's three
+        assert alloc.get_computed_blocks(FakeRequest("e", [1, 2, 3, *[7] * 6])) == ([1, 4], 8)
+        assert alloc.get_computed_blocks(FakeRequest("f", [*tokens(50, 6), *[7] * 7])) == ([2, 3, 6], 12)
+
+
+def test_grow_unordered_refuses_where_the_order_matters_and_takes_nothing():
+    alloc, a, b = _two_decoding(tokens(1, 3))  # the same prompt: the same tokens, the same hashes
+    free = alloc.free_block_ids()
+    assert not alloc.grow_unordered([a, b], [0, 1], [8, 8])  # a's full blocks would be b's: one stays unhashed
+    assert alloc.free_block_ids() == free and alloc.block_ids("a") == [1]
+    alloc.check_integrity()
+
+
 def test_blocks_are_cached_only_over_known_tokens():
     alloc = KVAllocator(num_blocks=8, block_size=4, enable_kv_events=True)
     req = FakeRequest("a", tokens(1, 6))

@@ -21,6 +21,14 @@ def test_steps_added_as_columns_read_back_as_the_same_records() -> None:
                             "num_waiting": 0, "kv_usage": np.full(3, 0.5), "num_preemptions": 1, "engine": 0}, 3)
     assert in_bulk == one_by_one and len(in_bulk) == 3
     assert in_bulk[1] == _record(0.25) and in_bulk[1:] == [_record(0.25), _record(0.5)]
+    assert in_bulk[-1] == _record(0.5) and list(in_bulk) == list(one_by_one)
+    with pytest.raises(IndexError):
+        in_bulk[3]
+    assert in_bulk.column("num_preemptions").tolist() == [1, 1, 1] and in_bulk.column("kv_tokens").tolist() == [96] * 3
+    mixed = StepLog()  # a field given as an array among those a run's steps share
+    mixed.extend_columns({name: np.array([getattr(_record(0.0), name), getattr(_record(0.25, 2), name)])
+                          for name in StepRecord.__slots__}, 2)
+    assert list(mixed) == [_record(0.0), _record(0.25, 2)] and mixed.column("engine").tolist() == [0, 2]
 
 
 def test_a_merged_log_orders_steps_by_start_then_engine() -> None:
