@@ -143,15 +143,19 @@ def commit(run: DecodeRun, start: int, stop: int, scheduler: Scheduler, tracker:
     for request in run.requests:
         request.output_token_ids.extend(new_tokens)  # blocks are hashed only up to each call's position
         request.all_token_ids.extend(new_tokens)
-    # (step, index in the running order) of each block taken: step j computes position length + j - 1.
-    takes = sorted((step, i) for i, length in enumerate(lengths)
-                   for step in range(_first(start, 1 - length, block_size), stop, block_size))
+    # Step j computes position length + j - 1: request i takes a block at the steps from its first one
+    # on, block_size apart. In the steps' order the requests take by their first steps, round after round.
+    firsts = [_first(start, 1 - length, block_size) for length in lengths]
+    order = sorted(range(len(lengths)), key=firsts.__getitem__)  # ties: the running order (a stable sort)
+    counts = [len(range(first, stop, block_size)) for first in firsts]  # the last round may leave some out
+    rounds = min(counts)
+    takers = order * rounds + [i for i in order if counts[i] > rounds]
     group = allocator.groups[0]  # the only one, without a window (the plan checked)
-    if len(takes) > group.num_free_blocks:
-        raise RuntimeError(f"a planned decode run found {group.num_free_blocks} free blocks for {len(takes)}")
+    if len(takers) > group.num_free_blocks:
+        raise RuntimeError(f"a planned decode run found {group.num_free_blocks} free blocks for {len(takers)}")
     # Step stop - 1 ends with slots up to length + stop - 1; in one go when the calls' order cannot matter.
-    if not group.grow_unordered(run.requests, [i for _, i in takes], [length + stop - 1 for length in lengths]):
-        _grow_in_turn(group, run.requests, takes, lengths, start, stop)
+    if not group.grow_unordered(run.requests, takers, [length + stop - 1 for length in lengths]):
+        _grow_in_turn(group, run.requests, lengths, start, stop)
     for request, length in zip(run.requests, lengths, strict=True):
         request.num_computed_tokens = length - 1 + stop
     if scheduler.step_budget is not None:
@@ -164,15 +168,13 @@ def commit(run: DecodeRun, start: int, stop: int, scheduler: Scheduler, tracker:
                                      RequestStatus.FINISHED_LENGTH)
 
 
-def _grow_in_turn(group: KVAllocator, requests: list[Request], takes: list[tuple[int, int]], lengths: list[int],
-                  start: int, stop: int) -> None:
+def _grow_in_turn(group: KVAllocator, requests: list[Request], lengths: list[int], start: int, stop: int) -> None:
     """The allocations of steps ``start`` to ``stop`` that do work, one by one in the steps' order: the
     block takes, and with prefix caching the fills (step j fills a block where its position ends one)."""
-    calls = list(takes)
-    if group.enable_prefix_caching:
-        calls.extend((step, i) for i, length in enumerate(lengths)
-                     for step in range(_first(start, -length, group.block_size), stop, group.block_size))
-    for step, i in sorted(set(calls)):  # step j computes position length + j - 1: slots up to length + j
+    residues = [1, 0] if group.enable_prefix_caching else [1]
+    calls = {(step, i) for i, length in enumerate(lengths) for residue in residues
+             for step in range(_first(start, residue - length, group.block_size), stop, group.block_size)}
+    for step, i in sorted(calls):  # step j computes position length + j - 1: slots up to length + j
         group.grow(requests[i], lengths[i] + step)
 
 
