@@ -98,7 +98,8 @@ def plan_decode_run(scheduler: Scheduler, cost_model: CostModel, now: float, max
     step = np.arange(num_steps, dtype=np.int64)
     taken = np.array(takes)[step % block_size]
     free_blocks = allocator.num_free_blocks - taken.cumsum()
-    kv_tokens = np.arange(sum(lengths), sum(lengths) + len(lengths) * num_steps, len(lengths), dtype=np.int64)
+    total = sum(lengths)
+    kv_tokens = np.arange(total, total + len(lengths) * num_steps, len(lengths), dtype=np.int64)
     durations = cost_model.decode_step_times(len(requests), kv_tokens)
     if noise is not None:
         durations = durations * noise(num_steps)

@@ -123,4 +123,3 @@ class StepLog(Sequence[StepRecord]):
         return isinstance(other, Sequence) and list(self) == list(other)
 
     __hash__ = None  # type: ignore[assignment]  # mutable
-
