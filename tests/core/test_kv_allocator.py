@@ -219,11 +219,14 @@ def test_grow_unordered_leaves_what_the_grow_calls_in_the_steps_order_leave():
 
 
 def test_grow_unordered_refuses_where_the_order_matters_and_takes_nothing():
-    alloc, a, b = _two_decoding(tokens(1, 3))  # the same prompt: the same tokens, the same hashes
-    free = alloc.free_block_ids()
-    assert not alloc.grow_unordered([a, b], [0, 1], [8, 8])  # a's full blocks would be b's: one stays unhashed
-    assert alloc.free_block_ids() == free and alloc.block_ids("a") == [1]
-    alloc.check_integrity()
+    twins, a, b = _two_decoding(tokens(1, 3))  # the same tokens: both would offer the same two hashes
+    cached, c, d = _two_decoding(tokens(50, 6))
+    admit(cached, FakeRequest("e", [1, 2, 3, 7, 7]))  # caches the block that c would fill
+    for alloc, requests in ((twins, [a, b]), (cached, [c, d])):
+        free, tables = alloc.free_block_ids(), [alloc.block_ids(r.request_id) for r in requests]
+        assert not alloc.grow_unordered(requests, [0, 1], [8, 9])
+        assert alloc.free_block_ids() == free and [alloc.block_ids(r.request_id) for r in requests] == tables
+        alloc.check_integrity()
 
 
 def test_blocks_are_cached_only_over_known_tokens():
