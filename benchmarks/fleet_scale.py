@@ -7,7 +7,8 @@ checks that both report the same, and prints the speed-up; then simulates the wh
 fast-forward and prints its wall time, steps and peak memory. Run it on a quiet machine; a benchmark,
 never a test:
 
-    python benchmarks/fleet_scale.py [--engines 64 --num-requests 1000000 --router least-loaded --target-itl-ms 100]
+    python benchmarks/fleet_scale.py [--engines 64 --num-requests 1000000 --router least-loaded --target-itl-ms 100
+                                      --prefix-caching-hash-algo xxhash]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from fleet_fidelity import workload_of
 from sim_fidelity import load_average, log
 
+from cadence.core.block_hash import HASH_ALGOS
 from cadence.core.cost_model import CostModel
 from cadence.engine_args import EngineArgs
 from cadence.sim.simulator import EngineLimits, SimResult, simulate
@@ -48,10 +50,13 @@ def main() -> int:
     parser.add_argument("--target-itl-ms", type=float, default=EngineArgs.target_itl_ms,
                         help="the engines' inter-token latency target (default: the engine's, off)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-caching-hash-algo", default="xxhash", choices=HASH_ALGOS,
+                        help="the blocks' prefix-cache keys: the figures are the same under either, xxhash is faster")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
     cost_model = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
-    config = EngineArgs(target_itl_ms=args.target_itl_ms).create_config()
+    config = EngineArgs(target_itl_ms=args.target_itl_ms,
+                        prefix_caching_hash_algo=args.prefix_caching_hash_algo).create_config()
     limits = EngineLimits.from_engine_config(config)
 
     def run(workload: list[RequestSpec], engines: int, fast_forward: bool = True) -> SimResult:
@@ -61,7 +66,8 @@ def main() -> int:
     capacity = run(_workload(args, limits, 300, None), 2).metrics().request_throughput
     rate = args.load * capacity * args.engines / 2
     workload = _workload(args, limits, args.num_requests, rate)
-    log(f"{args.engines} engines at {args.load:.0%} load: {rate:.1f} req/s; {describe(workload)}")
+    log(f"{args.engines} engines at {args.load:.0%} load: {rate:.1f} req/s; {describe(workload)}; "
+        f"{args.prefix_caching_hash_algo} block keys")
 
     slice_ = workload[:args.baseline_requests]
     log(f"baseline: the first {len(slice_)} requests step by step, then fast-forwarded ({load_average()})")

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from cadence.core.block_hash import check_hash_algo
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
                  "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -67,6 +69,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # a block's key (cadence/core/block_hash.py)
     # Sliding and global layers in KV cache groups of their own (cadence/models/kv_groups.py).
     hybrid_kv_cache: bool = True
 
@@ -77,6 +80,7 @@ class CacheConfig:
                  f"num_blocks must be at least 2 (one is the null block), got {self.num_blocks}")
         _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
                  f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        check_hash_algo(self.prefix_caching_hash_algo)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from cadence.config import (
     resolve_dtype,
     resolve_quantization,
 )
+from cadence.core.block_hash import HASH_ALGOS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -71,6 +72,9 @@ class EngineArgs:
     kv_cache_memory: str | int | None = field(default=None, metadata=_flag("KV cache size, e.g. 2GiB (default 1GiB)"))
     num_kv_blocks: int | None = field(default=None, metadata=_flag("KV cache size in blocks (overrides memory)"))
     enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse KV blocks of shared prompt prefixes"))
+    prefix_caching_hash_algo: str = field(default="sha256", metadata=_flag(
+        "a KV block's prefix-cache key: sha256, or xxhash (faster, not collision-resistant against crafted prompts; "
+        "docs/architecture.md)", choices=list(HASH_ALGOS)))
     disable_hybrid_kv_cache_manager: bool = field(default=False, metadata=_flag(
         "one block table for all layers: a model with sliding and global layers then keeps every block"))
     max_num_seqs: int = field(default=128, metadata=_flag("most requests in one step"))
@@ -146,6 +150,7 @@ class EngineArgs:
                 kv_cache_memory=None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory),
                 num_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
             ),
             scheduler=SchedulerConfig(

@@ -230,7 +230,7 @@ class SpecDecodeStats(_Message):
 
 class KVCacheDelta(_Message):
     """The net change of an engine core's prefix cache since its previous output batch, as block
-    hashes (see ``kv_allocator.hash_block``): what the data-parallel router needs of the KV events,
+    hashes (see ``block_hash.hash_block``): what the data-parallel router needs of the KV events,
     without their token ids. Apply ``cleared``, then ``removed``, then ``stored``."""
 
     stored: list[int]

@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cadence.core.block_pool import hash_block
+from cadence.core.block_hash import HASH_ALGOS, hash_block
 from cadence.core.kv_allocator import KVAllocator
 from cadence.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from cadence.core.testing import FakeRequest
@@ -21,14 +21,14 @@ VOCAB = 3
 PICK = st.integers(0, 2**16)  # index into a sorted candidate list, modulo its length
 
 
-def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int, salt: str | None = None) -> list[int]:
+def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int, salt: str | None, algo: str) -> list[int]:
     """The test's own hashes of the first ``num_blocks`` full blocks (the first salted, as a LoRA
-    adapter's are)."""
+    adapter's are), block by block with ``algo``."""
     hashes: list[int] = []
     parent = None
     for i in range(num_blocks):
         extra = (salt,) if i == 0 and salt else ()
-        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra)
+        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra, algo)
         hashes.append(parent)
     return hashes
 
@@ -47,11 +47,13 @@ class KVAllocatorMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     @initialize(num_blocks=st.integers(8, 40), block_size=st.integers(1, 4),
-                caching=st.sampled_from([True, True, True, False]), events=st.booleans())
-    def setup(self, num_blocks: int, block_size: int, caching: bool, events: bool) -> None:
+                caching=st.sampled_from([True, True, True, False]), events=st.booleans(),
+                algo=st.sampled_from(HASH_ALGOS))
+    def setup(self, num_blocks: int, block_size: int, caching: bool, events: bool, algo: str) -> None:
         self.alloc = KVAllocator(num_blocks, block_size, enable_prefix_caching=caching,
-                                 enable_kv_events=events)
+                                 enable_kv_events=events, hash_algo=algo)
         self.bs = block_size
+        self.algo = algo
 
     # ---- helpers: what a scheduler and a model runner do ----------------------------------
 
@@ -77,7 +79,7 @@ class KVAllocatorMachine(RuleBasedStateMachine):
             self.shadow[self.slot(table, pos)] = (req.cache_salt, req.all_token_ids[pos])
         req.num_computed_tokens += n
         num_full = req.num_computed_tokens // self.bs
-        for i, h in enumerate(chain_hashes(req.all_token_ids, self.bs, num_full, req.cache_salt)):
+        for i, h in enumerate(chain_hashes(req.all_token_ids, self.bs, num_full, req.cache_salt, self.algo)):
             self.block_tokens[h] = tuple((req.cache_salt, t) for t in req.all_token_ids[i * self.bs:(i + 1) * self.bs])
 
     def check_hit(self, req: FakeRequest, hit_ids: list[int], num_hit: int) -> None:
@@ -92,7 +94,8 @@ class KVAllocatorMachine(RuleBasedStateMachine):
             return
         # The hit is the longest cached chain below the cap.
         cap = (req.num_tokens - 1) // self.bs
-        hashes = chain_hashes(req.all_token_ids, self.bs, min(cap, len(hit_ids) + 1), req.cache_salt)
+        hashes = chain_hashes(req.all_token_ids, self.bs, min(cap, len(hit_ids) + 1), req.cache_salt,
+                              self.algo)
         cache = self.alloc._hash_to_block
         assert [cache[h].block_id for h in hashes[:len(hit_ids)]] == hit_ids
         assert len(hashes) == len(hit_ids) or hashes[-1] not in cache
@@ -275,7 +278,7 @@ class KVAllocatorMachine(RuleBasedStateMachine):
                 parent = ev.parent_block_hash
                 for i, h in enumerate(ev.block_hashes):
                     extra = (ev.cache_salt,) if parent is None and ev.cache_salt else ()  # a sequence's first block
-                    parent = hash_block(parent, tokens[i * self.bs:(i + 1) * self.bs], extra)
+                    parent = hash_block(parent, tokens[i * self.bs:(i + 1) * self.bs], extra, self.algo)
                     assert parent == h
                     assert h not in self.cached_from_events
                     self.cached_from_events.add(h)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from cadence.core.block_pool import hash_block
+from cadence.core.block_hash import hash_block
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.testing import FakeRequest
 

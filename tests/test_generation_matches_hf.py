@@ -25,6 +25,7 @@ def tiny(request: pytest.FixtureRequest, make_tiny_model: Callable[..., Path]) -
 ENGINE_VARIANTS = {
     "default": {},
     "no-prefix-cache": {"enable_prefix_caching": False},
+    "xxhash-prefix-keys": {"prefix_caching_hash_algo": "xxhash"},
     "chunked-small-budget": {"max_num_batched_tokens": 24, "block_size": 4},
     "unchunked": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512},
     # 12 requests of up to ~146 tokens cannot all fit in 40 blocks of 16: some are preempted.
@@ -40,7 +41,7 @@ def test_greedy_matches_transformers(tiny: tuple[Path, list, list], variant: str
     assert greedy(llm, prompts, NEW_TOKENS) == expected
     if variant == "tiny-kv-pool":
         assert llm.engine_core.scheduler.num_preemptions > 0
-    if variant == "default":
+    if variant in ("default", "xxhash-prefix-keys"):
         assert llm.engine_core.allocator.prefix_cache_hits > 0
 
 

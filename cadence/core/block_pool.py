@@ -1,5 +1,5 @@
 """The KV block pool: blocks, the free list that orders their eviction, the prefix-cache maps,
-a request's blocks and hashes, and the prefix-cache key of a full block.
+and a request's blocks and hashes (their keys: :mod:`cadence.core.block_hash`).
 
 One pool serves every KV cache group of a model (docs/architecture.md, "KV cache groups"): each
 group's :class:`cadence.core.kv_allocator.KVAllocator` hands its blocks out and keeps its own
@@ -8,51 +8,11 @@ prefix-cache map here, so that evicting a free block drops its hash from the rig
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
-
-import msgspec
+from typing import NoReturn, Protocol
 
 from cadence.core.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
-
-# One encoder for the process: hashing runs on the hot path.
-_encode = msgspec.msgpack.Encoder().encode
-
-
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] = ()) -> int:
-    """The 64-bit prefix-cache key of one full block.
-
-    Chains ``parent_hash`` (``None`` for a request's first block) so that a block is only equal to
-    another whose whole prefix is equal. sha256 over msgpack is stable across processes and
-    Python versions (unlike ``hash()`` of strings), so a KV-aware router can compute the same keys.
-    A list and a tuple of the same ids hash the same (msgpack encodes both as an array).
-    """
-    digest = hashlib.sha256(_encode((parent_hash, token_ids, extra_keys))).digest()
-    return int.from_bytes(digest[:8], "little")
-
-
-def salt_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...]:
-    """The extra keys of a request's block ``block_index``: its cache salt (a LoRA adapter's) in the
-    first block only, whose hash then carries it down the chain to every later block."""
-    return (cache_salt,) if block_index == 0 and cache_salt else ()
-
-
-def block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, num_blocks: int,
-                 cache_salt: str | None = None, *, start: int = 0, parent: int | None = None) -> Iterator[int]:
-    """The prefix-cache keys of full blocks ``start`` to ``num_blocks`` (exclusive) of ``token_ids``, in
-    order, chained from ``parent`` (block ``start - 1``'s key; None from the first block)."""
-    for i in range(start, num_blocks):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt_keys(i, cache_salt))
-        yield parent
-
-
-def prompt_block_hashes(prompt_token_ids: list[int] | tuple[int, ...], block_size: int,
-                        cache_salt: str | None = None) -> Iterator[int]:
-    """The keys of a prompt's blocks that a prefix-cache lookup may hit: every full block but one
-    that ends the prompt (its last token is always computed, to sample from)."""
-    return block_hashes(prompt_token_ids, block_size, (len(prompt_token_ids) - 1) // block_size, cache_salt)
 
 
 class KVRequest(Protocol):

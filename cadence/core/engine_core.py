@@ -70,7 +70,7 @@ class EngineCore:
         costs = (fit_at_start(executor, config, hf_config.vocab_size, groups.windows)
                  if sched.target_itl_ms and policy.chunked else None)
         allocator = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                   windows=groups.windows)
+                                   windows=groups.windows, hash_algo=config.cache.prefix_caching_hash_algo)
         # Loads the tokenizer and xgrammar only when the first constrained request arrives.
         grammars = StructuredOutputManager(functools.partial(load_tokenizer, config.model.path), hf_config.vocab_size)
         speculation = None if config.speculative is None else SpecDecoding(config.speculative)

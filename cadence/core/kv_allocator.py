@@ -8,8 +8,8 @@ the tail, so the least recently freed block is evicted first. A freed block keep
 stays findable by prefix lookups until it is reused; a lookup hit on a free block takes it out of
 the middle of the list in O(1).
 
-Only full blocks are cached. A block's hash chains its parent's hash, its token ids and extra
-keys, so equal tokens after a different prefix never match.
+Only full blocks are cached, under keys (:mod:`cadence.core.block_hash`, by ``hash_algo``) that
+chain the parent's key, the token ids and extra keys: equal tokens after another prefix never match.
 
 The scheduler owns one allocator and calls it synchronously inside a step. The protocol for a
 request that holds no blocks (new, or back from preemption with ``num_computed_tokens == 0``)::
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cadence.core.block_hash import block_hashes, check_hash_algo
 from cadence.core.block_pool import (
     Allocation,
     Block,
@@ -42,7 +43,6 @@ from cadence.core.block_pool import (
     KVRequest,
     PoolViews,
     RequestBlocks,
-    block_hashes,
     check_tables,
 )
 from cadence.core.kv_events import BlockRemoved, stored_events
@@ -53,14 +53,13 @@ from cadence.core.kv_events import BlockRemoved, stored_events
 class KVAllocator(PoolViews):
     """Paged KV blocks of one KV cache group for every request, with prefix caching and LRU eviction.
 
-    Alone (the default) it owns its pool; pass ``pool`` and ``group`` to share one with the other
-    groups of a model (``num_blocks`` is then the pool's size). Not thread-safe: the scheduler
-    calls it from one task.
+    Alone (the default) it owns its pool; pass ``pool`` and ``group`` to share one with the other groups
+    of a model (``num_blocks`` is then the pool's size). Not thread-safe: the scheduler calls it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  enable_kv_events: bool = False, sliding_window: int | None = None, *,
-                 pool: BlockPool | None = None, group: int = 0) -> None:
+                 pool: BlockPool | None = None, group: int = 0, hash_algo: str = "sha256") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -72,6 +71,7 @@ class KVAllocator(PoolViews):
         self._group = group
         self._block_size = block_size
         self._caching = enable_prefix_caching
+        self._hash_algo = check_hash_algo(hash_algo)
         self._blocks = self._pool.blocks
         self._free = self._pool.free
         self._hash_to_block = self._pool.cached[group]
@@ -352,7 +352,7 @@ class KVAllocator(PoolViews):
         """Hash the request's full blocks up to block ``n`` (exclusive), from where the memo ends."""
         if len(hashes) < n:
             hashes.extend(block_hashes(request.all_token_ids, self._block_size, n, request.cache_salt,
-                                       start=len(hashes), parent=hashes[-1] if hashes else None))
+                                       start=len(hashes), parent=hashes[-1] if hashes else None, algo=self._hash_algo))
 
     def _cache_up_to(self, request: KVRequest, state: RequestBlocks, num_total_tokens: int) -> None:
         """Offer the prefix cache every block full of known tokens among the first ``num_total_tokens``."""

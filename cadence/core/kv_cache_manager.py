@@ -28,12 +28,13 @@ class KVCacheManager(PoolViews):
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 enable_kv_events: bool = False, windows: Sequence[int | None] = (None,)) -> None:
+                 enable_kv_events: bool = False, windows: Sequence[int | None] = (None,),
+                 hash_algo: str = "sha256") -> None:
         if not windows:
             raise ValueError("a KV cache has at least one group")
         self._pool = BlockPool(num_blocks, len(windows), enable_kv_events)
         self.groups = [KVAllocator(num_blocks, block_size, enable_prefix_caching, sliding_window=window,
-                                   pool=self._pool, group=g) for g, window in enumerate(windows)]
+                                   pool=self._pool, group=g, hash_algo=hash_algo) for g, window in enumerate(windows)]
         self._block_size = block_size
         self._caching = enable_prefix_caching
         # One group without a window: a running request's next tokens take :meth:`grow`'s path.

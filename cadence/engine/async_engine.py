@@ -57,7 +57,8 @@ class AsyncEngine:
         self.limits = limits
         # One engine core: no router, nothing added to the request path.
         self._router = None if len(clients) == 1 else load_router(config.parallel.router, RouterContext(
-            len(clients), config.cache.block_size, config.cache.enable_prefix_caching, config.model.seed))
+            len(clients), config.cache.block_size, config.cache.enable_prefix_caching, config.model.seed,
+            config.cache.prefix_caching_hash_algo))
         self.cores = tuple(build_front_end(client, tokenizer, limits, functools.partial(self._die, rank), self._router)
                            for rank, client in enumerate(clients))
         self._max_waiting = max_waiting_requests

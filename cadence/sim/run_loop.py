@@ -23,7 +23,7 @@ from functools import partial
 import numpy as np
 
 from cadence.bench.metrics import RequestRecord
-from cadence.core.block_pool import prompt_block_hashes
+from cadence.core.block_hash import prompt_block_hashes
 from cadence.core.kv_events import fold_kv_events
 from cadence.core.scheduler import Scheduler
 from cadence.engine.routers.base import Router
@@ -290,7 +290,9 @@ class RunLoop:
             return
         prompt = request.prompt_token_ids
         anything = SIMULATED_TOKEN_ID in prompt
-        hashes = [] if anything else list(prompt_block_hashes(prompt, router.context.block_size, request.cache_salt))
+        context = router.context
+        hashes = [] if anything else list(prompt_block_hashes(prompt, context.block_size, request.cache_salt,
+                                                              context.hash_algo))
         for engine in running:
             if anything or engine.evicts_before(hashes, now):
                 engine.catch_up(now, self.chunk_times, self.num_tokens)

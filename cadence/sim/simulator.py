@@ -21,6 +21,7 @@ import numpy as np
 
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, TenantShare, compute_metrics, tenant_shares
 from cadence.config import SchedulerConfig, SpeculativeConfig
+from cadence.core.block_hash import check_hash_algo
 from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler
@@ -56,6 +57,7 @@ class EngineLimits:
     block_size: int = 16
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # the keys do not change a simulation's figures; xxhash is faster
     max_num_seqs: int = 128
     max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
     enable_chunked_prefill: bool = True
@@ -65,6 +67,7 @@ class EngineLimits:
 
     def __post_init__(self) -> None:
         self.scheduler_config()  # the scheduler's own checks, raised at the boundary
+        check_hash_algo(self.prefix_caching_hash_algo)
         if self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be at least 2 (one is the null block), got {self.num_kv_blocks}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -86,6 +89,7 @@ class EngineLimits:
         sched = config.scheduler
         return cls(num_kv_blocks=num_kv_blocks, block_size=config.cache.block_size,
                    max_model_len=config.model.max_model_len, enable_prefix_caching=config.cache.enable_prefix_caching,
+                   prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo,
                    max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
                    enable_chunked_prefill=sched.enable_chunked_prefill,
                    long_prefill_token_threshold=sched.long_prefill_token_threshold,
@@ -277,7 +281,8 @@ def simulate(
             name, engine_policy = policy.name, policy
             policy.context = replace(policy.context, clock=clock)  # the run's time, whatever it was built with
         allocator = KVCacheManager(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching,
-                                   enable_kv_events=fleet is not None and fleet.observes_prefix_caches)
+                                   enable_kv_events=fleet is not None and fleet.observes_prefix_caches,
+                                   hash_algo=limits.prefix_caching_hash_algo)
         path = None if trace_scheduling is None else ranked_path(trace_scheduling, rank, engines)
         trace = None if path is None else SchedulingTrace(path)
         if trace is not None:
@@ -321,4 +326,5 @@ def router_of(name: str, engines: int, limits: EngineLimits, seed: int) -> Route
     """The data-parallel router of a fleet; none for one engine (nothing to choose)."""
     if engines == 1:
         return None
-    return load_router(name, RouterContext(engines, limits.block_size, limits.enable_prefix_caching, seed))
+    return load_router(name, RouterContext(engines, limits.block_size, limits.enable_prefix_caching, seed,
+                                                 limits.prefix_caching_hash_algo))

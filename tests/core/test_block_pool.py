@@ -1,40 +1,10 @@
-"""The KV block pool's pieces: the prefix-cache key of a block, and the intrusive free list."""
+"""The KV block pool's pieces: the intrusive free list."""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
-from cadence.core.block_pool import Block, FreeList, IntegrityError, hash_block
-
-# ---- hash_block ------------------------------------------------------------------------------
-
-
-def test_hash_block_is_sha256_of_the_msgpack_triple_and_stable_across_runs() -> None:
-    # msgpack of (None, [1, 2, 3, 4], ()): fixarray(3), nil, fixarray(4) 1 2 3 4, fixarray(0).
-    expected = int.from_bytes(hashlib.sha256(bytes.fromhex("93c0940102030490")).digest()[:8], "little")
-    assert hash_block(None, [1, 2, 3, 4]) == expected == 6729288735558005244
-    # A KV-aware router in another process must compute the same chained keys.
-    assert hash_block(6729288735558005244, [5, 6, 7, 8]) == 16777306416764416897
-
-
-def test_hash_block_chains_the_parent() -> None:
-    first = hash_block(None, [1, 2, 3, 4])
-    assert hash_block(first, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])
-    assert hash_block(first, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 9, 9, 9]), [5, 6, 7, 8])
-    assert hash_block(first, [5, 6, 7, 8]) == hash_block(hash_block(None, (1, 2, 3, 4)), (5, 6, 7, 8))
-
-
-def test_hash_block_list_and_tuple_are_equal_and_extra_keys_change_it() -> None:
-    assert hash_block(None, [1, 2, 3, 4]) == hash_block(None, (1, 2, 3, 4))
-    assert hash_block(None, [1, 2, 3, 4], ("lora", 1)) == 2635171801990979476
-    assert hash_block(None, [1, 2, 3, 4], ("lora", 1)) != hash_block(None, [1, 2, 3, 4])
-    assert hash_block(None, [1, 2, 3, 4], ("lora", 1)) != hash_block(None, [1, 2, 3, 4], ("lora", 2))
-    assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [1, 2, 4, 3])  # order matters
-    h = hash_block(None, list(range(16)), ("x",))
-    assert isinstance(h, int) and 0 <= h < 2**64
-
+from cadence.core.block_pool import Block, FreeList, IntegrityError
 
 # ---- FreeList --------------------------------------------------------------------------------
 

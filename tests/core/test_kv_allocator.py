@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.core.block_pool import hash_block
+from cadence.core.block_hash import hash_block
 from cadence.core.kv_allocator import KVAllocator
 from cadence.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from cadence.core.testing import FakeRequest

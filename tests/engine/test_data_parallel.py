@@ -20,7 +20,7 @@ from support.processes import engine_core_pids
 
 from cadence import SamplingParams
 from cadence.api.testing import ServerProcess
-from cadence.core.block_pool import hash_block
+from cadence.core.block_hash import HASH_ALGOS, hash_block
 from cadence.core.kv_allocator import KVAllocator
 from cadence.core.kv_events import fold_kv_events
 from cadence.core.testing import FakeRequest
@@ -113,13 +113,14 @@ def test_removed_and_cleared_blocks_stop_attracting() -> None:
 SALTS = [None, "lora:1:a"]
 
 
-def test_the_router_sees_what_the_allocator_caches() -> None:
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_the_router_sees_what_the_allocator_caches(algo: str) -> None:
     """Random admissions, frees and evictions on a small pool, some under a LoRA adapter's salt, the
     events folded into deltas at random points: the router's prefix match always equals the
-    allocator's own lookup, salted or not."""
+    allocator's own lookup, salted or not, under either key (the router's context names the engines')."""
     rng = random.Random(0)
-    alloc = KVAllocator(num_blocks=12, block_size=BS, enable_kv_events=True)
-    r = router(1)
+    alloc = KVAllocator(num_blocks=12, block_size=BS, enable_kv_events=True, hash_algo=algo)
+    r = PrefixAwareRouter(RouterContext(1, BS, prefix_caching=True, hash_algo=algo))
     stems = [[rng.randrange(50) for _ in range(12)] for _ in range(4)]
     prompts = [stem + [rng.randrange(50) for _ in range(rng.randrange(1, 10))] for stem in stems for _ in range(3)]
     live: list[str] = []

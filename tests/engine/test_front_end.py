@@ -11,7 +11,7 @@ import anyio
 import pytest
 from support.tiny_models import build_tiny_tokenizer
 
-from cadence.core.block_pool import hash_block
+from cadence.core.block_hash import hash_block
 from cadence.engine.admission import ModelLimits, PreparedRequest
 from cadence.engine.core_client import EngineCoreClient
 from cadence.engine.detokenizer_actor import DetokenizerActor

@@ -8,10 +8,12 @@ import argparse
 import json
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from cadence.core.block_hash import HASH_ALGOS
 from cadence.core.cost_model import CostModel
 from cadence.policies.fcfs import FCFSPolicy
 from cadence.sim.cli import register
@@ -46,12 +48,14 @@ def test_least_loaded_sends_arrivals_to_the_idle_engine_and_heterogeneous_engine
     assert result.metrics().completed == 6 and {s.engine for s in result.steps} == {0, 1}
 
 
-def test_prefix_aware_follows_the_engine_that_cached_the_prefix(tmp_path: Path) -> None:
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_prefix_aware_follows_the_engine_that_cached_the_prefix(tmp_path: Path, algo: str) -> None:
     prefix = list(range(100, 132))  # 8 full blocks of 4
     workload = [RequestSpec(0.0, 36, 200, request_id="first", prompt_token_ids=(*prefix, 1, 2, 3, 4)),
                 RequestSpec(0.5, 36, 2, request_id="again", prompt_token_ids=(*prefix, 5, 6, 7, 8)),
                 RequestSpec(0.6, 8, 2, request_id="other", prompt_token_ids=tuple(range(500, 508)))]
-    simulate(workload, LIMITS, "fcfs", STEP, engines=2, router="prefix-aware", trace_scheduling=tmp_path / "t.jsonl")
+    limits = replace(LIMITS, prefix_caching_hash_algo=algo)  # the router's keys follow the engines'
+    simulate(workload, limits, "fcfs", STEP, engines=2, router="prefix-aware", trace_scheduling=tmp_path / "t.jsonl")
     admitted = {}
     for rank in range(2):
         for line in (tmp_path / f"t.jsonl.dp{rank}").read_text().splitlines():
@@ -63,6 +67,20 @@ def test_prefix_aware_follows_the_engine_that_cached_the_prefix(tmp_path: Path) 
     assert admitted == {"first": (0, 0), "again": (0, 32), "other": (1, 0)}
 
 
+def test_a_fleet_s_figures_are_the_same_under_either_block_key() -> None:
+    """Shared prefixes behind the prefix-aware router, the pool small enough to evict: the keys decide
+    nothing but equality, so xxhash (fast) simulates exactly what sha256 does."""
+    stems = [tuple(range(1000 * s, 1000 * s + 24)) for s in range(3)]
+    workload = [RequestSpec(0.02 * i, 28, 6 + i % 5, request_id=f"r{i}", prompt_token_ids=(*stems[i % 3], i, i, i, i))
+                for i in range(40)]
+    limits = replace(LIMITS, num_kv_blocks=40)
+    runs = [simulate(workload, replace(limits, prefix_caching_hash_algo=algo), "fcfs", STEP, engines=2,
+                     router="prefix-aware") for algo in HASH_ALGOS]
+    assert [run.summary() | {"wall_time_s": 0} for run in runs] == [runs[0].summary() | {"wall_time_s": 0}] * 2
+    assert runs[0].metrics().completed == 40
+    assert sum(s.prefill_tokens for s in runs[0].steps) < 40 * 28  # prefix hits were taken
+
+
 def test_a_fleet_needs_a_policy_name_and_a_cost_model_per_engine() -> None:
     with pytest.raises(ValueError, match="needs a policy name"):
         simulate(same_requests(2), LIMITS, FCFSPolicy(LIMITS.policy_context()), STEP, engines=2)
@@ -70,6 +88,8 @@ def test_a_fleet_needs_a_policy_name_and_a_cost_model_per_engine() -> None:
         simulate(same_requests(2), LIMITS, "fcfs", [STEP] * 3, engines=2)
     with pytest.raises(ValueError, match="unknown router 'nearest'"):
         simulate(same_requests(2), LIMITS, "fcfs", STEP, engines=2, router="nearest")
+    with pytest.raises(ValueError, match="prefix caching hash algorithm must be one of sha256, xxhash, got 'crc'"):
+        replace(LIMITS, prefix_caching_hash_algo="crc")
 
 
 def test_the_verb_simulates_a_fleet(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
@@ -77,7 +97,8 @@ def test_the_verb_simulates_a_fleet(make_tiny_model: Callable[..., Path], tmp_pa
     register(parser.add_subparsers(dest="verb", required=True))
     ns = parser.parse_args(["simulate", "--model", str(make_tiny_model("llama")), "--cost-model", "builtin",
                             "--num-requests", "30", "--input-len", "16", "--output-len", "4", "--engines", "3",
-                            "--router", "power-of-two", "--output-dir", str(tmp_path), "--no-plots"])
+                            "--router", "power-of-two", "--prefix-caching-hash-algo", "xxhash",
+                            "--output-dir", str(tmp_path), "--no-plots"])
     assert ns.run(ns) == 0
     assert json.loads((tmp_path / "results.json").read_text())["results"][0]["completed"] == 30
     ns = parser.parse_args(["simulate", "--model", str(make_tiny_model("llama")), "--engines", "0"])

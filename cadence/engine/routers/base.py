@@ -28,6 +28,7 @@ class RouterContext:
     block_size: int  # the KV cache's, for routers that hash prompt blocks as the engines do
     prefix_caching: bool  # the engines keep a prefix cache
     seed: int = 0  # for routers that draw at random
+    hash_algo: str = "sha256"  # the engines' prefix-cache keys (cadence/core/block_hash.py)
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cadence.core.block_pool import prompt_block_hashes
+from cadence.core.block_hash import prompt_block_hashes
 from cadence.engine.routers.base import Router, RouterContext
 from cadence.messages import KVCacheDelta
 
@@ -63,7 +63,7 @@ class PrefixAwareRouter(Router):
         bs = self.context.block_size
         matched = [0] * self.context.num_engines
         holders = list(range(self.context.num_engines))
-        for parent in prompt_block_hashes(list(prompt_token_ids), bs, cache_salt):
+        for parent in prompt_block_hashes(list(prompt_token_ids), bs, cache_salt, self.context.hash_algo):
             holders = [e for e in holders if parent in self._cached[e]]
             if not holders:
                 break
