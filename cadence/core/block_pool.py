@@ -97,23 +97,40 @@ class FreeList:
         self.head.next_free = self.tail
         self.tail.prev_free = self.head
         self.size = 0
-        for block in blocks:
-            self.append(block)
+        self.extend(blocks)
 
     def append(self, block: Block) -> None:
+        self.extend((block,))
+
+    def extend(self, blocks: Sequence[Block]) -> None:
+        """Link ``blocks`` at the tail, in order (the last one is evicted last), in one pass."""
         last = self.tail.prev_free
         assert last is not None  # sentinels are always linked; narrows the type
-        block.prev_free = last
-        block.next_free = self.tail
-        last.next_free = block
-        self.tail.prev_free = block
-        self.size += 1
+        for block in blocks:
+            block.prev_free = last
+            last.next_free = block
+            last = block
+        last.next_free = self.tail
+        self.tail.prev_free = last
+        self.size += len(blocks)
 
-    def popleft(self) -> Block:
+    def popleft(self, n: int) -> list[Block]:
+        """Unlink the ``n`` blocks at the head (the next evicted), in order, in one pass."""
+        if n > self.size:
+            raise ValueError(f"{n} blocks asked of a free list of {self.size}")
+        taken = []
         block = self.head.next_free
-        assert block is not None and block is not self.tail  # callers check size first
-        self.remove(block)
-        return block
+        for _ in range(n):
+            assert block is not None  # the size said so
+            taken.append(block)
+            following = block.next_free
+            block.prev_free = block.next_free = None
+            block = following
+        assert block is not None
+        self.head.next_free = block
+        block.prev_free = self.head
+        self.size -= n
+        return taken
 
     def remove(self, block: Block) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -183,17 +200,14 @@ class BlockPool:
     def take(self, n: int) -> list[Block]:
         """``n`` blocks from the free list's head (the caller checked its size), each with ref
         count 1; a block that carried a hash is evicted from its group's map."""
-        taken = []
+        taken = self.free.popleft(n)
         evicted = []
-        popleft = self.free.popleft
-        for _ in range(n):
-            block = popleft()
+        for block in taken:
             if block.block_hash is not None:
                 if block.group == 0:
                     evicted.append(block.block_hash)
                 self.uncache(block)
             block.ref_cnt = 1
-            taken.append(block)
         if evicted and self.record_events:
             self.events.append(BlockRemoved(evicted))
         return taken

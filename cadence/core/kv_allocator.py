@@ -281,8 +281,7 @@ class KVAllocator(PoolViews):
             return
         blocks = state.blocks
         num_written = state.request.num_computed_tokens // self._block_size
-        append = self._free.append
-        unwritten = []
+        released, unwritten = [], []
         for i in range(len(blocks) - 1, state.num_released - 1, -1):
             block = blocks[i]
             block.ref_cnt -= 1
@@ -290,7 +289,8 @@ class KVAllocator(PoolViews):
                 if i >= num_written and block.block_hash is not None:
                     unwritten.append(block.block_hash)
                     self._pool.uncache(block)
-                append(block)
+                released.append(block)
+        self._free.extend(released)
         if unwritten and self._group == 0 and self._pool.record_events:
             self._pool.events.append(BlockRemoved(unwritten))
 

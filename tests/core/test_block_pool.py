@@ -37,7 +37,7 @@ def test_free_list_keeps_append_order_and_pops_the_head() -> None:
     free = FreeList(blocks[1:])
     assert order(free) == [1, 2, 3, 4] and backwards(free) == [4, 3, 2, 1]
     assert free.size == 4
-    assert free.popleft() is blocks[1]
+    assert free.popleft(1) == [blocks[1]]
     assert blocks[1].prev_free is None and blocks[1].next_free is None
     free.append(blocks[1])  # freed again: to the tail, evicted last
     assert order(free) == [2, 3, 4, 1] and backwards(free) == [1, 4, 3, 2]
@@ -54,13 +54,31 @@ def test_free_list_removes_from_the_middle_and_both_ends() -> None:
     free.remove(blocks[5])
     assert order(free) == [2, 4] and free.size == 2
     assert blocks[3].prev_free is None and blocks[3].next_free is None
-    assert free.popleft() is blocks[2]
-    assert free.popleft() is blocks[4]
+    assert free.popleft(1) == [blocks[2]]
+    assert free.popleft(1) == [blocks[4]]
     assert free.size == 0 and order(free) == [] and backwards(free) == []
     assert free.head.next_free is free.tail and free.tail.prev_free is free.head
     assert free.check_links(6) == set()
     free.append(blocks[3])
     assert order(free) == [3] and free.check_links(6) == {3}
+
+
+def test_free_list_links_and_unlinks_many_at_once_as_one_by_one() -> None:
+    blocks = pool(8)
+    free = FreeList(blocks[1:4])
+    free.extend(blocks[4:7])  # to the tail, in order
+    assert order(free) == [1, 2, 3, 4, 5, 6] and backwards(free) == [6, 5, 4, 3, 2, 1] and free.size == 6
+    assert free.popleft(4) == blocks[1:5]  # the head first
+    assert all(b.prev_free is None and b.next_free is None for b in blocks[1:5])
+    assert order(free) == [5, 6] and backwards(free) == [6, 5] and free.check_links(8) == {5, 6}
+    free.extend([])
+    assert free.popleft(0) == [] and free.size == 2
+    assert free.popleft(2) == blocks[5:7] and order(free) == [] and free.check_links(8) == set()
+    free.extend([blocks[7], blocks[2]])
+    assert order(free) == [7, 2] and backwards(free) == [2, 7] and free.size == 2
+    with pytest.raises(ValueError, match="3 blocks asked of a free list of 2"):
+        free.popleft(3)
+    assert free.check_links(8) == {7, 2}  # a refusal unlinks nothing
 
 
 def test_free_list_sentinels_are_not_blocks_of_the_pool() -> None:
