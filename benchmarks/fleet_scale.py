@@ -24,7 +24,7 @@ from typing import Any
 from fleet_fidelity import workload_of
 from sim_fidelity import load_average, log
 
-from cadence.core.block_hash import HASH_ALGOS
+from cadence.config import HASH_ALGOS
 from cadence.core.cost_model import CostModel
 from cadence.engine_args import EngineArgs
 from cadence.sim.simulator import EngineLimits, SimResult, simulate

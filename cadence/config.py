@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from cadence.core.block_hash import check_hash_algo
-
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
                  "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -345,6 +343,14 @@ def parse_memory(text: str | int) -> int:
 
 
 QUANTIZATIONS = ("none", "gguf", "int8")
+# The digests a KV block's prefix-cache key may take (cadence/core/block_hash.py).
+HASH_ALGOS = ("sha256", "xxhash")
+
+
+def check_hash_algo(algo: str) -> str:
+    """``algo`` if it names a block hash algorithm; a ConfigError naming the choices otherwise."""
+    _require(algo in HASH_ALGOS, f"prefix caching hash algorithm must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
+    return algo
 
 
 def resolve_quantization(quantization: str, gguf_file: str | None, device: str = "cpu") -> str:

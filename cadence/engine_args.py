@@ -12,6 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from cadence.config import (
+    HASH_ALGOS,
     QUANTIZATIONS,
     CacheConfig,
     ConfigError,
@@ -26,7 +27,6 @@ from cadence.config import (
     resolve_dtype,
     resolve_quantization,
 )
-from cadence.core.block_hash import HASH_ALGOS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

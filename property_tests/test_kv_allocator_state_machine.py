@@ -12,7 +12,8 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cadence.core.block_hash import HASH_ALGOS, hash_block
+from cadence.config import HASH_ALGOS
+from cadence.core.block_hash import hash_block
 from cadence.core.kv_allocator import KVAllocator
 from cadence.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from cadence.core.testing import FakeRequest

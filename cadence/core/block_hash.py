@@ -21,6 +21,8 @@ from typing import Any
 import msgspec
 import xxhash
 
+from cadence.config import HASH_ALGOS
+
 # One encoder for the process: hashing runs on the hot path.
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -29,16 +31,9 @@ def _sha256_key(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
-# Each algorithm's digest of the encoded triple, as a 64-bit int.
+# Each algorithm's digest of the encoded triple, as a 64-bit int (the choices: config.HASH_ALGOS).
 _DIGESTS: dict[str, Callable[[bytes], int]] = {"sha256": _sha256_key, "xxhash": xxhash.xxh3_64_intdigest}
-HASH_ALGOS: tuple[str, ...] = tuple(_DIGESTS)
-
-
-def check_hash_algo(algo: str) -> str:
-    """``algo`` if it names a block hash algorithm; a ValueError naming the choices otherwise."""
-    if algo not in _DIGESTS:
-        raise ValueError(f"prefix caching hash algorithm must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
-    return algo
+assert tuple(_DIGESTS) == HASH_ALGOS
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] = (),

@@ -1,12 +1,11 @@
 """One KV cache group's paged block allocator with prefix caching (vLLM V1's single-type manager).
 
-A pool of ``num_blocks`` fixed-size blocks (:class:`cadence.core.block_pool.BlockPool`, shared with
-the model's other KV cache groups under :class:`cadence.core.kv_cache_manager.KVCacheManager`);
-block 0 is the null block and is never handed out.
-Free blocks sit in an intrusive doubly linked list: allocation pops the head, freeing appends to
-the tail, so the least recently freed block is evicted first. A freed block keeps its hash and
-stays findable by prefix lookups until it is reused; a lookup hit on a free block takes it out of
-the middle of the list in O(1).
+A pool of ``num_blocks`` fixed-size blocks (:class:`cadence.core.block_pool.BlockPool`, shared with the
+model's other KV cache groups under :class:`cadence.core.kv_cache_manager.KVCacheManager`); block 0
+is the null block and is never handed out. Free blocks sit in an intrusive doubly linked list:
+allocation pops the head, freeing appends to the tail, so the least recently freed block is evicted
+first. A freed block keeps its hash and stays findable by prefix lookups until it is reused; a
+lookup hit on a free block takes it out of the middle of the list in O(1).
 
 Only full blocks are cached, under keys (:mod:`cadence.core.block_hash`, by ``hash_algo``) that
 chain the parent's key, the token ids and extra keys: equal tokens after another prefix never match.
@@ -34,7 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cadence.core.block_hash import block_hashes, check_hash_algo
+from cadence.config import check_hash_algo
+from cadence.core.block_hash import block_hashes
 from cadence.core.block_pool import (
     Allocation,
     Block,

@@ -20,8 +20,7 @@ import msgspec
 import numpy as np
 
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, TenantShare, compute_metrics, tenant_shares
-from cadence.config import SchedulerConfig, SpeculativeConfig
-from cadence.core.block_hash import check_hash_algo
+from cadence.config import SchedulerConfig, SpeculativeConfig, check_hash_algo
 from cadence.core.cost_model import CostModel
 from cadence.core.kv_cache_manager import KVCacheManager
 from cadence.core.scheduler import Scheduler

@@ -8,8 +8,8 @@ import hashlib
 import pytest
 import xxhash
 
-from cadence.config import CacheConfig
-from cadence.core.block_hash import HASH_ALGOS, block_hashes, check_hash_algo, hash_block, prompt_block_hashes
+from cadence.config import HASH_ALGOS, CacheConfig, ConfigError, check_hash_algo
+from cadence.core.block_hash import block_hashes, hash_block, prompt_block_hashes
 
 # msgpack of (None, [1, 2, 3, 4], ()): fixarray(3), nil, fixarray(4) 1 2 3 4, fixarray(0).
 FIRST_BLOCK = bytes.fromhex("93c0940102030490")
@@ -61,7 +61,7 @@ def test_block_hashes_chain_hash_block_salt_the_first_block_only_and_resume_from
 
 def test_an_unknown_algorithm_is_refused_with_the_choices() -> None:
     assert check_hash_algo("xxhash") == "xxhash"
-    with pytest.raises(ValueError, match="must be one of sha256, xxhash, got 'md5'"):
+    with pytest.raises(ConfigError, match="must be one of sha256, xxhash, got 'md5'"):
         check_hash_algo("md5")
-    with pytest.raises(ValueError, match="got 'md5'"):
+    with pytest.raises(ConfigError, match="got 'md5'"):
         CacheConfig(prefix_caching_hash_algo="md5")

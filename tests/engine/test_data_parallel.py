@@ -20,7 +20,8 @@ from support.processes import engine_core_pids
 
 from cadence import SamplingParams
 from cadence.api.testing import ServerProcess
-from cadence.core.block_hash import HASH_ALGOS, hash_block
+from cadence.config import HASH_ALGOS
+from cadence.core.block_hash import hash_block
 from cadence.core.kv_allocator import KVAllocator
 from cadence.core.kv_events import fold_kv_events
 from cadence.core.testing import FakeRequest

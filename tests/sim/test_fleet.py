@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cadence.core.block_hash import HASH_ALGOS
+from cadence.config import HASH_ALGOS
 from cadence.core.cost_model import CostModel
 from cadence.policies.fcfs import FCFSPolicy
 from cadence.sim.cli import register
