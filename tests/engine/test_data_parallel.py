@@ -203,7 +203,8 @@ def test_an_engine_core_that_cannot_start_fails_the_launch_by_name(tiny_model: P
         anyio.run(run)
 
 
-def test_a_shared_prefix_follows_its_engine_and_new_prompts_the_least_loaded(tiny_model: Path) -> None:
+@pytest.mark.parametrize("algo", HASH_ALGOS)  # the engine cores' block keys and the router's alike
+def test_a_shared_prefix_follows_its_engine_and_new_prompts_the_least_loaded(tiny_model: Path, algo: str) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
     async def run_to_end(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> int:
@@ -214,7 +215,7 @@ def test_a_shared_prefix_follows_its_engine_and_new_prompts_the_least_loaded(tin
         return cached
 
     async def run() -> None:
-        async with AsyncEngine.launch(dp_args(tiny_model).create_config()) as engine:
+        async with AsyncEngine.launch(dp_args(tiny_model, prefix_caching_hash_algo=algo).create_config()) as engine:
             assert len(engine.cores) == 2
             assert await run_to_end(engine, PROMPT, greedy) == 0  # an idle tie: engine 0
             long = engine.generate(list(range(200, 210)), SamplingParams(temperature=0, max_tokens=900,
