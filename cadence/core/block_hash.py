@@ -8,7 +8,7 @@ router in another process computes the same keys as the engines. Two digests, as
 
 - ``sha256`` (the default): collisions cannot be crafted, so one tenant's prompt cannot pose as
   another's cached prefix;
-- ``xxhash`` (xxh3, 64 bits): about 4x faster a block, not collision-resistant against a crafted
+- ``xxhash`` (xxh3, 64 bits): about 3x faster a block, not collision-resistant against a crafted
   prompt. It suits a trusted deployment and the simulator, whose figures do not depend on the keys.
 """
 

@@ -174,13 +174,9 @@ class SimEngine:
         for request in run.requests:
             chunk_times[request.request_id].frombytes(ends)
             num_tokens[request.request_id] += stop - start
-        n = len(run.requests)
         usage = 1.0 - run.free_blocks[start:stop] / (self.scheduler.allocator.num_blocks - 1)
-        self.steps.extend_columns({
-            "start": run.starts[start:stop], "duration": run.durations[start:stop], "num_seqs": n, "num_tokens": n,
-            "prefill_tokens": 0, "decode_seqs": n, "kv_tokens": run.kv_tokens[start:stop], "num_running": n,
-            "num_waiting": 0, "kv_usage": usage, "num_preemptions": self.scheduler.num_preemptions,
-            "engine": self.rank}, stop - start)
+        self.steps.extend_decodes(run.starts[start:stop], run.durations[start:stop], run.kv_tokens[start:stop], usage,
+                                  len(run.requests), self.scheduler.num_preemptions, self.rank)
         return finished
 
 

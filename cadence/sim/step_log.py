@@ -73,6 +73,24 @@ class StepLog(Sequence[StepRecord]):
         else:
             self._packed.extend(array(self._packed.typecode, shared) * num)  # type: ignore[arg-type]
 
+    def extend_decodes(self, starts: np.ndarray, durations: np.ndarray, kv_tokens: np.ndarray, kv_usage: np.ndarray,
+                       num_seqs: int, num_preemptions: int, engine: int) -> None:
+        """Add a run of decode-only steps (``sim/decode_run.py``): each step's start, duration, KV tokens
+        and usage, and what they share: ``num_seqs`` requests, all running and decoding, none waiting.
+        :meth:`extend_columns` without its checks of every field, in a fifth of its time (a fleet
+        simulation adds two runs a request)."""
+        if not len(starts) == len(durations) == len(kv_tokens) == len(kv_usage):
+            raise ValueError(f"a run's columns differ in length: {len(starts)}, {len(durations)}, "
+                             f"{len(kv_tokens)}, {len(kv_usage)}")
+        columns = self._columns
+        for name, values in (("start", starts), ("duration", durations), ("kv_tokens", kv_tokens),
+                             ("kv_usage", kv_usage)):
+            column = columns[name]
+            column.frombytes(values.astype(column.typecode, copy=False).tobytes())
+        shared = {"num_seqs": num_seqs, "num_tokens": num_seqs, "prefill_tokens": 0, "decode_seqs": num_seqs,
+                  "num_running": num_seqs, "num_waiting": 0, "num_preemptions": num_preemptions, "engine": engine}
+        self._packed.extend(array(self._packed.typecode, [shared[name] for name in _PACKED]) * len(starts))
+
     def column(self, name: str) -> np.ndarray:
         """One field of every step (a read-only view, no copy)."""
         if name in self._columns:

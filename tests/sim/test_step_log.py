@@ -31,6 +31,22 @@ def test_steps_added_as_columns_read_back_as_the_same_records() -> None:
     assert list(mixed) == [_record(0.0), _record(0.25, 2)] and mixed.column("engine").tolist() == [0, 2]
 
 
+def test_a_run_of_decodes_reads_back_as_the_same_records_as_its_steps_one_by_one() -> None:
+    one_by_one, run = StepLog(), StepLog()
+    one_by_one.append(_record(0.0))
+    run.append(_record(0.0))
+    records = [StepRecord(0.25 * k, 0.25, 3, 3, 0, 3, 96 + 3 * k, 3, 0, 0.5 - k / 64, 1, 7) for k in range(1, 4)]
+    for record in records:
+        one_by_one.append(record)
+    run.extend_decodes(np.array([0.25, 0.5, 0.75]), np.full(3, 0.25), np.array([99, 102, 105]),
+                       0.5 - np.arange(1, 4) / 64, num_seqs=3, num_preemptions=1, engine=7)
+    assert run == one_by_one and list(run)[1:] == records
+    assert run.column("kv_tokens").tolist() == [96, 99, 102, 105] and run.column("engine").tolist() == [0, 7, 7, 7]
+    with pytest.raises(ValueError, match="a run's columns differ in length: 3, 2, 3, 3"):
+        run.extend_decodes(np.zeros(3), np.zeros(2), np.zeros(3, dtype=np.int64), np.zeros(3), 3, 1, 7)
+    assert len(run) == 4  # nothing added
+
+
 def test_a_merged_log_orders_steps_by_start_then_engine() -> None:
     first, second = StepLog(), StepLog()
     for start in (0.0, 1.0):
