@@ -34,6 +34,8 @@ def test_the_builtins_are_installed_by_name() -> None:
         load_router("nearest", context())
     with pytest.raises(ValueError, match="num_engines must be at least 1"):
         context(num_engines=0)
+    with pytest.raises(ValueError, match="hash algorithm must be one of sha256, xxhash, got 'md5'"):
+        RouterContext(2, block_size=4, prefix_caching=True, hash_algo="md5")
 
 
 def test_round_robin_ignores_loads_and_least_loaded_takes_the_lowest_rank_among_equals() -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from cadence.config import check_hash_algo
 from cadence.messages import KVCacheDelta
 from cadence.plugins import installed_plugins, load_plugin_class
 
@@ -33,6 +34,7 @@ class RouterContext:
     def __post_init__(self) -> None:
         if self.num_engines < 1:
             raise ValueError(f"num_engines must be at least 1, got {self.num_engines}")
+        check_hash_algo(self.hash_algo)
 
 
 class Router(abc.ABC):
