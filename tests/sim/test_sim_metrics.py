@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from array import array
+
+import numpy as np
 import pytest
 
-from cadence.bench.metrics import RequestRecord, compute_metrics, parse_goodput, tenant_shares
+from cadence.bench.metrics import (
+    LatencyStats,
+    RequestRecord,
+    compute_metrics,
+    inter_token_gaps,
+    parse_goodput,
+    tenant_shares,
+)
 
 # A: four tokens in four chunks. B: a single token. C: three tokens, two of them in one chunk.
 # D: failed before any token.
@@ -21,6 +31,25 @@ def test_per_request_definitions() -> None:
     assert C.tpot == pytest.approx(0.5)  # per token, though ITL is per chunk
     assert C.itls == [1.0]
     assert not D.completed
+
+
+def test_inter_token_gaps_are_each_records_own_in_order() -> None:
+    # Joined and differenced at once: no gap spans two records, whatever their lengths (none, one)
+    # and whether their times are a list or the simulator's doubles.
+    doubles = RequestRecord(arrival_time=6.0, chunk_times=array("d", [7.0, 7.25, 9.0]), prompt_tokens=1,
+                            output_tokens=3)
+    records = [D, A, B, D, C, doubles, B]
+    gaps = inter_token_gaps(records)
+    assert gaps.dtype == np.float64
+    assert gaps.tolist() == [gap for r in records for gap in r.itls] == [0.5, 0.5, 1.0, 1.0, 0.25, 1.75]
+    assert inter_token_gaps([B, D]).tolist() == [] and inter_token_gaps([]).tolist() == []
+
+
+def test_latency_percentiles_are_numpys_each_alone() -> None:
+    values = np.random.default_rng(0).lognormal(size=1001)
+    stats = LatencyStats.of(values, (50, 90, 99.9))
+    assert stats.percentiles == {p: float(np.percentile(values * 1000.0, p)) for p in (50, 90, 99.9)}
+    assert stats.median == float(np.median(values * 1000.0)) and LatencyStats.of(values, ()).percentiles == {}
 
 
 def test_aggregate_metrics() -> None:
