@@ -229,7 +229,7 @@ def inter_token_gaps(records: Iterable[RequestRecord]) -> np.ndarray:
     """Every record's :attr:`RequestRecord.itls`, as one array (a simulation can hold a hundred million).
 
     The records' times are joined and differenced at once, and the differences that span two records
-    dropped: a difference a record cost more than the rest of its metrics."""
+    dropped (an ``np.diff`` a record cost more than the rest of its metrics)."""
     times = [r.chunk_times for r in records]
     if not times:
         return np.zeros(0)
