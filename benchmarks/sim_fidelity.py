@@ -26,6 +26,8 @@ import json
 import sys
 import time
 
+import numpy as np
+
 from cadence.bench.metrics import compute_metrics
 from cadence.core.cost_model import CostModel, fit_cost_model, fit_quality
 from cadence.engine.llm import LLM
@@ -138,6 +140,7 @@ def main() -> int:
                          cost_model.metadata)
     sigma = noise_sigma(args.step_time_noise, cost_model)
     sims = {}
+    calibrated_steps = None
     for name, model in (("simulated", cost_model), ("self-fit", self_fit), ("rescaled", rescaled)):
         noisy = name == "simulated" and sigma > 0
         runs = []
@@ -145,9 +148,13 @@ def main() -> int:
             result = simulate(workload, limits, policy, model, seed, policy_options=options,
                               step_time_noise=sigma if noisy else 0.0)
             runs.append(result.metrics(percentiles=(50, 99)).to_dict())
+            if calibrated_steps is None:
+                calibrated_steps = result.step_arrays()
             log(f"simulation ({name}{f', noise {sigma:.3f}, seed {seed}' if noisy else ''}): {result.num_steps} "
                 f"steps in {result.wall_time_s:.2f} s, {result.num_preemptions} preemptions")
         sims[name] = runs[0] if len(runs) == 1 else repeated(runs)
+    assert calibrated_steps is not None
+    print_stretches(timer.steps, calibrated_steps)
 
     print(f"{'':28}{'real':>11}" + "".join(f"{name:>11}{'diff':>8}" for name in sims))
     diffs: dict[str, dict[str, float]] = {name: {} for name in sims}
@@ -191,6 +198,30 @@ def print_misses(model: CostModel, steps: list[TimedStep], periods: int = 4) -> 
     for name, cells in sums.items():
         log(f"  {name:18}" + "".join(f"{real / predicted:8.2f}" if predicted else f"{'-':>8}"
                                      for real, predicted in cells))
+
+
+def print_stretches(real: list[TimedStep], simulated: dict[str, np.ndarray], periods: int = 12) -> None:
+    """The real run's and the calibrated simulation's steps in stretches of equal length, each from its
+    first step: how many, of how many requests, how long. A model right on average but wrong by regime
+    shows here: more and shorter real steps where the load is light, longer ones with bigger batches
+    where a queue builds."""
+    if not real or not len(simulated["start"]):
+        return
+    runs = {
+        "real": (np.array([s.start for s in real]) - real[0].start, np.array([s.shape.num_seqs for s in real]),
+                 np.array([s.end - s.start for s in real])),
+        "simulated": (simulated["start"] - simulated["start"][0], simulated["num_seqs"], simulated["duration"]),
+    }
+    span = max(float(starts[-1]) for starts, _, _ in runs.values()) / periods
+    log(f"steps by stretch of {span:.0f} s: real | calibrated simulation (steps, mean requests, mean ms)")
+    for k in range(periods):
+        cells = []
+        for starts, seqs, durations in runs.values():
+            inside = (starts >= k * span) & ((starts < (k + 1) * span) if k < periods - 1 else True)
+            count = int(inside.sum())
+            cells.append(f"{count:6d} {seqs[inside].mean() if count else 0:6.1f} "
+                         f"{1e3 * durations[inside].mean() if count else 0:7.1f}")
+        log(f"  {k * span:6.0f} s " + " | ".join(cells))
 
 
 def _steps_json(steps: list[TimedStep]) -> list[dict[str, float]]:
