@@ -233,8 +233,9 @@ def inter_token_gaps(records: Iterable[RequestRecord]) -> np.ndarray:
     times = [r.chunk_times for r in records]
     if not times:
         return np.zeros(0)
-    if all(isinstance(t, array) and t.typecode == "d" for t in times):  # the simulator's: joined as bytes
-        joined = np.frombuffer(b"".join(times), dtype=np.float64)
+    doubles = [t for t in times if isinstance(t, array) and t.typecode == "d"]
+    if len(doubles) == len(times):  # the simulator's: joined as bytes
+        joined = np.frombuffer(b"".join(doubles), dtype=np.float64)
     else:
         joined = np.concatenate([np.asarray(t, dtype=np.float64) for t in times])
     lengths = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
