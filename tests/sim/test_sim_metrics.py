@@ -46,10 +46,14 @@ def test_inter_token_gaps_are_each_records_own_in_order() -> None:
 
 
 def test_latency_percentiles_are_numpys_each_alone() -> None:
-    values = np.random.default_rng(0).lognormal(size=1001)
+    values = np.random.default_rng(0).lognormal(sigma=3.0, size=1001)  # wide: a sum's rounding follows the order
+    given = values.copy()
     stats = LatencyStats.of(values, (50, 90, 99.9))
     assert stats.percentiles == {p: float(np.percentile(values * 1000.0, p)) for p in (50, 90, 99.9)}
     assert stats.median == float(np.median(values * 1000.0)) and LatencyStats.of(values, ()).percentiles == {}
+    # The mean and spread as numpy sums them in the given order; the caller's array left as it was.
+    assert (stats.mean, stats.std) == (float((values * 1000.0).mean()), float((values * 1000.0).std()))
+    assert np.array_equal(values, given)
 
 
 def test_aggregate_metrics() -> None:
