@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -42,6 +43,8 @@ def test_inter_token_gaps_are_each_records_own_in_order() -> None:
     gaps = inter_token_gaps(records)
     assert gaps.dtype == np.float64
     assert gaps.tolist() == [gap for r in records for gap in r.itls] == [0.5, 0.5, 1.0, 1.0, 0.25, 1.75]
+    as_doubles = [replace(r, chunk_times=array("d", r.chunk_times)) for r in records]  # joined as bytes
+    assert inter_token_gaps(as_doubles).tolist() == gaps.tolist()
     assert inter_token_gaps([B, D]).tolist() == [] and inter_token_gaps([]).tolist() == []
 
 
