@@ -22,6 +22,7 @@ printed along the way). This is a benchmark, never a test.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -173,7 +174,9 @@ def main() -> int:
             f"[{spread[key][0]:.2f}, {spread[key][1]:.2f}]" for key in CHECKED))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "workload": describe(workload), "real": real, **sims,
+            # With the limits, the args' request rate and --steps-json, the run can be simulated again offline.
+            json.dump({"args": vars(args), "limits": dataclasses.asdict(limits), "workload": describe(workload),
+                       "real": real, **sims,
                        "relative_difference": diffs, "within_tolerance": ok, "drift": drift.to_dict(),
                        "cost_model": cost_model.to_json(), "self_fit_cost_model": self_fit.to_json(),
                        "level": 1 / drift.total_time_ratio}, f, indent=2)
