@@ -83,13 +83,13 @@ class StepLog(Sequence[StepRecord]):
             raise ValueError(f"a run's columns differ in length: {len(starts)}, {len(durations)}, "
                              f"{len(kv_tokens)}, {len(kv_usage)}")
         columns = self._columns
-        columns["start"].frombytes(starts.astype(np.float64, copy=False).tobytes())
-        columns["duration"].frombytes(durations.astype(np.float64, copy=False).tobytes())
-        columns["kv_tokens"].frombytes(kv_tokens.astype(np.int32).tobytes())
-        columns["kv_usage"].frombytes(kv_usage.astype(np.float64, copy=False).tobytes())
+        for name, values in (("start", starts), ("duration", durations), ("kv_tokens", kv_tokens),
+                             ("kv_usage", kv_usage)):
+            column = columns[name]
+            column.frombytes(values.astype(column.typecode, copy=False).tobytes())
         # _PACKED's order (checked below the class): a tuple, not a dict by name, a third of the call's time.
         row = (num_seqs, num_seqs, 0, num_seqs, num_seqs, 0, num_preemptions, engine)
-        self._packed.extend(array("i", row) * len(starts))
+        self._packed.extend(array(self._packed.typecode, row) * len(starts))
 
     def column(self, name: str) -> np.ndarray:
         """One field of every step (a read-only view, no copy)."""
@@ -145,5 +145,3 @@ class StepLog(Sequence[StepRecord]):
 
 assert _PACKED == ("num_seqs", "num_tokens", "prefill_tokens", "decode_seqs", "num_running", "num_waiting",
                    "num_preemptions", "engine"), "StepLog.extend_decodes writes a run's packed row in this order"
-assert {name: array(code).itemsize for name, code in _OWN_CODES.items()} == {
-    "start": 8, "duration": 8, "kv_tokens": 4, "kv_usage": 8}, "extend_decodes writes doubles and 32-bit ints"
