@@ -153,6 +153,8 @@ class SDPABackend(AttentionBackend):
         runs_kernels(device, dtype)
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SDPAMetadata:
+        if layout.max_query_len == 1:
+            return _decodes_metadata(layout, device)
         query_start = layout.query_start_loc.tolist()
         seq_lens = layout.seq_lens.tolist()
         query_lens = [end - start for start, end in itertools.pairwise(query_start)]
@@ -279,6 +281,26 @@ def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the C++ paged-attention kernels handle these tensors (CPU, bf16/fp32, head_dim a multiple of 16)."""
     return (q.device.type == "cpu" and q.dtype in KERNEL_DTYPES and q.dtype == k_cache.dtype
             and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256)
+
+
+def _decodes_metadata(layout: BatchLayout, device: torch.device) -> SDPAMetadata:
+    """:meth:`SDPABackend.build_metadata` of a step where every request computes one token: request
+    ``i`` is row ``i``, and attends to its whole context. At batch 1 the general form's per-token
+    arithmetic costs more than the step's attention (docs/performance.md)."""
+    num = layout.num_requests
+    requests = torch.arange(num, device=device)
+    seq_lens = layout.seq_lens.to(device=device, dtype=torch.int64)
+    return SDPAMetadata(
+        slot_mapping=layout.slot_mapping.to(device=device, dtype=torch.int64),
+        block_table=layout.block_table.to(device=device, dtype=torch.int64),
+        decode_tokens=slice(0, num),
+        decode_requests=requests,
+        decode_seq_lens=seq_lens,
+        decode_seq_len=layout.max_seq_len,
+        prefills=(),
+        token_requests=requests,
+        token_seq_lens=seq_lens,
+    )
 
 
 def _rows(requests: list[int], query_start: list[int], device: torch.device) -> slice | torch.Tensor:

@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from cadence.backends.registry import load_backend
@@ -112,8 +111,8 @@ class DraftModelProposer:
 
     def _forward(self, step: list[tuple[DraftSequence, list[int], int]]) -> list[int]:
         """Compute each sequence's tokens from its position; the greedy token after each one's last."""
-        counts = np.fromiter((len(fed) for _, fed, _ in step), dtype=np.int64, count=len(step))
-        starts = np.fromiter((start for _, _, start in step), dtype=np.int64, count=len(step))
+        counts = [len(fed) for _, fed, _ in step]
+        starts = [start for _, _, start in step]
         layout = step_layout([[seq.block_ids] for seq, _, _ in step], starts, counts, self.block_size)
         metadata = self.backend.build_metadata(layout.layouts[0], self.device)
         input_ids = torch.tensor([t for _, fed, _ in step for t in fed], dtype=torch.long, device=self.device)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from cadence.backends.base import AttentionBackend, BatchLayout
@@ -209,13 +208,12 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        num_reqs = len(out.num_scheduled_tokens)
         order = list(out.num_scheduled_tokens)
         if self.lora is not None:  # each adapter's rows together: a large step runs them as slices
             order.sort(key=lambda request_id: _adapter_key(self.states[request_id]))
-        counts = np.fromiter((out.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=num_reqs)
+        counts = [out.num_scheduled_tokens[r] for r in order]
         states = [self.states[request_id] for request_id in order]
-        starts = np.fromiter((state.num_computed_tokens for state in states), dtype=np.int64, count=num_reqs)
+        starts = [state.num_computed_tokens for state in states]
         layout = step_layout([state.block_ids for state in states], starts, counts, self.block_size)
         input_ids: list[int] = []
         sampled_states: list[CachedRequestState] = []
@@ -226,7 +224,7 @@ class ModelRunner:
             self.lora.prepare([state.lora_request for state in states], counts)
         for i, state in enumerate(states):
             start = state.num_computed_tokens
-            end = start + int(counts[i])
+            end = start + counts[i]
             drafts = out.spec_token_ids.get(state.request_id, [])
             input_ids.extend(state.token_slice(start, end - len(drafts)))
             input_ids.extend(drafts)

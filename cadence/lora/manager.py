@@ -58,7 +58,7 @@ class LoRAManager:
         self._slot_used = [0] * config.max_loras  # the step that last used each slot
         self._step = 0
 
-    def prepare(self, loras: Sequence[LoRARequest | None], counts: np.ndarray) -> None:
+    def prepare(self, loras: Sequence[LoRARequest | None], counts: Sequence[int]) -> None:
         """Set the step's adapters: request ``i`` (of ``counts[i]`` rows) runs with ``loras[i]``.
 
         :raises RuntimeError: more adapters than slots (the scheduler never schedules that).

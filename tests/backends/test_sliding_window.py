@@ -15,6 +15,9 @@ from cadence.backends.testing import large_paged_batch, naive_reference, random_
 # Decodes with contexts shorter and longer than the windows, fresh prefills longer than a 16-row
 # tile, and prefill chunks over cached prefixes (the window then starts inside the cache).
 REQUESTS = [(40, 1), (0, 9), (7, 1), (20, 6), (3, 1), (16, 16), (0, 37), (5, 17), (90, 1), (61, 12)]
+# A step of decodes only (the backend's metadata takes a shorter road there), contexts inside, at and
+# past block ends and the windows.
+DECODES = [(40, 1), (0, 1), (15, 1), (4, 1), (90, 1), (31, 1)]
 PATHS = ["kernel", "torch"]
 
 
@@ -26,12 +29,13 @@ def _kernel_on_prefills(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _attend(path: str, window: int | None, cap: float | None, dtype: torch.dtype, head_dim: int, block_size: int,
-            monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor]:
+            monkeypatch: pytest.MonkeyPatch, requests: list[tuple[int, int]] = REQUESTS,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     if path == "kernel" and cpu_ops() is None:
         pytest.skip("cadence's CPU kernels need AVX-512 or AVX2")
     if path == "torch":
         monkeypatch.setattr(sdpa_backend, "cpu_ops", lambda: None)
-    batch = random_paged_batch(REQUESTS, 6, 2, head_dim, block_size, dtype, seed=block_size)
+    batch = random_paged_batch(requests, 6, 2, head_dim, block_size, dtype, seed=block_size)
     scale = head_dim ** -0.5
     backend = SDPABackend(6, 2, head_dim, scale, sliding_window=window, logits_soft_cap=cap)
     out, _, _ = run_backend(backend, batch)
@@ -56,6 +60,15 @@ def test_soft_capped_scores_match_the_definition(path: str, window: int | None,
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     uncapped, _ = _attend(path, window, None, torch.float32, 64, 16, monkeypatch)
     assert (uncapped - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (5, None), (16, 0.5), (33, None)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_steps_of_decodes_only_match_the_definition(path: str, window: int | None, cap: float | None,
+                                                    block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, expected = _attend(path, window, cap, torch.float32, 32, block_size, monkeypatch, DECODES)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("path", PATHS)
