@@ -286,7 +286,7 @@ def _kernel_reads(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def _decodes_metadata(layout: BatchLayout, device: torch.device) -> SDPAMetadata:
     """:meth:`SDPABackend.build_metadata` of a step where every request computes one token: request
     ``i`` is row ``i``, and attends to its whole context. At batch 1 the general form's per-token
-    arithmetic costs more than the step's attention (docs/performance.md)."""
+    arithmetic costs more than the step's attention (docs/performance.md, "A step of decodes only")."""
     num = layout.num_requests
     requests = torch.arange(num, device=device)
     seq_lens = layout.seq_lens.to(device=device, dtype=torch.int64)

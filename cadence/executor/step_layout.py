@@ -54,7 +54,8 @@ def step_layout(block_ids: Sequence[Sequence[list[int]]], starts: list[int], cou
 def _one_token_each(block_ids: Sequence[Sequence[list[int]]], positions: list[int], block_size: int) -> StepLayout:
     """:func:`step_layout` of a step where every request computes one token (decodes): its values from
     the lists directly. At batch 1 the general form's two dozen numpy and torch calls, each paid after
-    a forward has flushed the caches, cost a third of a millisecond a token (docs/performance.md)."""
+    a forward has flushed the caches, cost a third of a millisecond a token (docs/performance.md, "A
+    step of decodes only")."""
     num_reqs = len(positions)
     query_start = torch.arange(num_reqs + 1, dtype=torch.int32)
     lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
