@@ -209,7 +209,9 @@ def cadence_server(ns: argparse.Namespace, prefix_caching: bool, log: Path) -> H
 
 def launchers(ns: argparse.Namespace, peers: list[Peer], prefix_caching: bool,
               logs: Path) -> dict[str, Callable[[], HTTPServerProcess]]:
-    """Each server this script starts, by name: a new process of it, not started, for ``prefix_caching``."""
+    """Each server this script starts, by name: a new process of it, not started, for ``prefix_caching``,
+    its output in the folder ``logs`` (made here)."""
+    logs.mkdir(parents=True, exist_ok=True)
     made = {"cadence": lambda: cadence_server(ns, prefix_caching, logs / "cadence.log")}
     for peer in peers:
         made[peer.name] = partial(peer.process, prefix_caching, logs / f"{peer.name}.log", ns.peer_startup_timeout)
@@ -301,6 +303,8 @@ def main() -> None:
 
     folder = ns.peer_model or str(resolve_model(None))
     peers = launched_peers(ns, folder)
+    if clash := set(urls) & {"cadence", *(peer.name for peer in peers)}:
+        raise SystemExit(f"--peer names {sorted(clash)} are taken by the servers this script starts")
     logs = Path(tempfile.mkdtemp(prefix="cadence-compare-"))
     print(f"server logs: {logs}", flush=True)
     report: dict[str, Any] = {}
@@ -309,7 +313,7 @@ def main() -> None:
         if ns.vllm_python:
             report["offline_vllm"] = offline_vs_vllm(ns, folder)
     if set(goals) & set(_DISTINCT_PROMPTS):
-        with running(launchers(ns, peers, False, logs), urls) as servers:
+        with running(launchers(ns, peers, False, logs / "distinct-prompts"), urls) as servers:
             for goal, measure in (("serving", serving), ("single", single_stream)):
                 if goal in goals:
                     report[goal] = {name: measure(url, ns.workload_arg) for name, url in servers.items()}
@@ -317,11 +321,11 @@ def main() -> None:
             if "sweep" in goals:
                 report["sweep"] = curves(servers, ns.sweep_rates, ns.workload_arg, ns.plot)
     if "prefix" in goals:
-        with running(launchers(ns, peers, True, logs), urls) as servers:
+        with running(launchers(ns, peers, True, logs / "prefix"), urls) as servers:
             report["prefix"] = {name: shared_prefix(url, ns.workload_arg) for name, url in servers.items()}
             print(comparison_table(report["prefix"]))
     if "cold" in goals:
-        report["cold"] = cold_starts(launchers(ns, peers, True, logs), ns.cold_bursts, ns.workload_arg)
+        report["cold"] = cold_starts(launchers(ns, peers, True, logs / "cold"), ns.cold_bursts, ns.workload_arg)
         print(cold_table(report["cold"]))
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(report, indent=2))
