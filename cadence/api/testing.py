@@ -32,7 +32,7 @@ class HTTPServerProcess:
     """A server run from ``command(port)`` in a subprocess on a free port, ready once ``/health`` says 200.
 
     Use as a context manager; leaving it sends SIGTERM and waits for the exit (SIGKILL after
-    ``stop_timeout_s``). Its output goes to ``log_path`` (read it when a test fails).
+    :meth:`stop`'s ``timeout_s``). Its output goes to ``log_path`` (read it when a test fails).
     ``ready_after_s`` is how long the last :meth:`start` took, from launch to healthy.
     """
 
