@@ -175,6 +175,53 @@ void weigh(const Shape s, const float* probs, const T* values, const int64_t* bl
   }
 }
 
+#if defined(__AVX512F__)
+// weigh() with the group's G x C accumulators held in registers across the keys, instead of loaded
+// and stored for every key: for the shapes whose accumulators and one value fit the 32 registers.
+template <int G, int C, typename T>
+void weigh_in_registers(const Shape s, const float* probs, const T* values, const int64_t* blocks, int64_t begin,
+                        int64_t seq_len, float* acc /* [group][head_dim] */) {
+  constexpr int64_t dim = C * 16;
+  const int64_t block_elems = s.block_size * dim, first_block = begin / s.block_size;
+  __m512 a[G][C];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  }
+  for (int64_t first = first_block * s.block_size, b = first_block; first < seq_len; first += s.block_size, ++b) {
+    const T* block = values + blocks[b] * block_elems;
+    if (first + s.block_size < seq_len) prefetch_block(values + blocks[b + 1] * block_elems, block_elems * sizeof(T));
+    const int64_t n = std::min(s.block_size, seq_len - first);
+    for (int64_t t = std::max(int64_t{0}, begin - first); t < n; ++t) {
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = load16(block + t * dim + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g * seq_len + first + t]);
+        for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * dim + c * 16, a[g][c]);
+  }
+}
+
+#endif
+
+// weigh(), through weigh_in_registers where the shape has an instance (AVX-512).
+template <typename T>
+void weigh_values(const Shape s, const float* probs, const T* values, const int64_t* blocks, int64_t begin,
+                  int64_t seq_len, float* acc) {
+#if defined(__AVX512F__)
+  if (s.chunks == 4 && s.group == 1) return weigh_in_registers<1, 4>(s, probs, values, blocks, begin, seq_len, acc);
+  if (s.chunks == 4 && s.group == 2) return weigh_in_registers<2, 4>(s, probs, values, blocks, begin, seq_len, acc);
+  if (s.chunks == 4 && s.group == 3) return weigh_in_registers<3, 4>(s, probs, values, blocks, begin, seq_len, acc);
+  if (s.chunks == 4 && s.group == 4) return weigh_in_registers<4, 4>(s, probs, values, blocks, begin, seq_len, acc);
+  if (s.chunks == 8 && s.group == 1) return weigh_in_registers<1, 8>(s, probs, values, blocks, begin, seq_len, acc);
+  if (s.chunks == 8 && s.group == 2) return weigh_in_registers<2, 8>(s, probs, values, blocks, begin, seq_len, acc);
+#endif
+  weigh(s, probs, values, blocks, begin, seq_len, acc);
+}
+
 // Rows attended together: consecutive query rows of one request (a prefill chunk), at most this many
 // on the fp32 path (AmxAttention::kMaxRows on the tile unit).
 constexpr int64_t kTileRows = 16;
@@ -436,7 +483,7 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
             if (s.soft_cap > 0) soft_cap(w.scores + g * len + begin, len - begin, s.soft_cap);
             own[g] = softmax(w.scores + g * len + begin, len - begin);
           }
-          weigh(s, w.scores, values, blocks, begin, len, w.acc);
+          weigh_values(s, w.scores, values, blocks, begin, len, w.acc);
         } else {
           attend_tile(s, w, tile.count, len, keys, values, blocks);
         }
