@@ -58,8 +58,8 @@ def test_kernel_builds_where_the_cpu_has_avx512() -> None:
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-# Query heads per KV head 1-4 at head_dim 64 and 1-2 at 128 take the values' sums held in registers
-# (paged_attention.cpp: weigh_in_registers), the rest the sums through memory.
+# Query heads per KV head 1-4 at head_dim 64 and 1-2 at 128 take the queries and sums held in registers
+# (paged_attention.cpp: attend_decode<G, C>), the rest read both through memory.
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [
     (9, 3, 64), (4, 4, 16), (8, 2, 128), (3, 3, 64), (4, 2, 64), (8, 2, 64), (2, 2, 128), (4, 2, 128), (10, 2, 64)])
 @pytest.mark.parametrize("block_size", [16, 5])

@@ -43,41 +43,62 @@ namespace {
 
 using namespace cadence;
 
-// Scores of `group` query rows (fp32, pre-scaled, [group][head_dim]) against keys [begin, seq_len).
+// Block i of a task's num_blocks: its share of the next task's keys and values, fetched into L2. Inlined
+// by force: called, it left decodes over a shuffled block table 40% slower (26.5 against 18.4 ms).
 template <typename T>
+__attribute__((always_inline)) inline void prefetch_share(const Upcoming<T>& next, int64_t i, int64_t num_blocks,
+                                                          int64_t block_elems) {
+  for (int64_t nb = i * next.num_blocks / num_blocks; nb < (i + 1) * next.num_blocks / num_blocks; ++nb) {
+    prefetch_block<_MM_HINT_T1>(next.keys + next.blocks[nb] * block_elems, block_elems * sizeof(T));
+    prefetch_block<_MM_HINT_T1>(next.values + next.blocks[nb] * block_elems, block_elems * sizeof(T));
+  }
+}
+
+// Scores of `group` query rows (fp32, pre-scaled, [group][head_dim]) against keys [begin, seq_len).
+// G and C: the group and head_dim / 16 when fixed at compile time (the query vectors then stay in
+// registers across the keys instead of being reloaded for each: the same FMAs and sums), 0: read from s.
+template <int G, int C, typename T>
 void score(const Shape s, const float* q, const T* keys, const int64_t* blocks, int64_t begin, int64_t seq_len,
            float* scores /* [group][seq_len] */, const Upcoming<T>& next) {
-  const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim, first_block = begin / s.block_size;
+  const int64_t group = G ? G : s.group, chunks = C ? C : s.chunks;
+  const int64_t dim = chunks * 16, block_elems = s.block_size * dim, first_block = begin / s.block_size;
   const int64_t num_blocks = (seq_len + s.block_size - 1) / s.block_size - first_block;
 #if defined(__AVX512F__)
-  __m512 k[16];
+  __m512 k[C ? C : 16];
+  [[maybe_unused]] __m512 qv[G ? G : 1][C ? C : 1];
+  if constexpr (G && C) {
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * dim + c * 16);
+    }
+  }
 #endif
   for (int64_t first = first_block * s.block_size, b = first_block; first < seq_len; first += s.block_size, ++b) {
     const T* block = keys + blocks[b] * block_elems;
-    // this block's share of the next task's blocks
-    const int64_t i = b - first_block;
-    for (int64_t nb = i * next.num_blocks / num_blocks; nb < (i + 1) * next.num_blocks / num_blocks; ++nb) {
-      prefetch_block<_MM_HINT_T1>(next.keys + next.blocks[nb] * block_elems, block_elems * sizeof(T));
-      prefetch_block<_MM_HINT_T1>(next.values + next.blocks[nb] * block_elems, block_elems * sizeof(T));
-    }
+    prefetch_share(next, b - first_block, num_blocks, block_elems);
     if (first + s.block_size < seq_len) prefetch_block(keys + blocks[b + 1] * block_elems, block_elems * sizeof(T));
     const int64_t n = std::min(s.block_size, seq_len - first);
     for (int64_t t = std::max(int64_t{0}, begin - first); t < n; ++t) {
 #if defined(__AVX512F__)
-      for (int64_t c = 0; c < s.chunks; ++c) k[c] = load16(block + t * dim + c * 16);
-      for (int64_t g = 0; g < s.group; ++g) {
-        __m512 acc = _mm512_mul_ps(k[0], _mm512_loadu_ps(q + g * dim));
-        for (int64_t c = 1; c < s.chunks; ++c) acc = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(q + g * dim + c * 16), acc);
+      for (int64_t c = 0; c < chunks; ++c) k[c] = load16(block + t * dim + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc;
+        if constexpr (G && C) {
+          acc = _mm512_mul_ps(k[0], qv[g][0]);
+          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(k[c], qv[g][c], acc);
+        } else {
+          acc = _mm512_mul_ps(k[0], _mm512_loadu_ps(q + g * dim));
+          for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(q + g * dim + c * 16), acc);
+        }
         scores[g * seq_len + first + t] = _mm512_reduce_add_ps(acc);
       }
 #else  // the same sums in native halves (vec.h: load8x2); the key is reread from L1 per query head
       const T* key = block + t * dim;
-      for (int64_t g = 0; g < s.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * dim;
         __m256 k_lo, k_hi;
         load8x2(key, k_lo, k_hi);
         __m256 lo = _mm256_mul_ps(k_lo, _mm256_loadu_ps(qg)), hi = _mm256_mul_ps(k_hi, _mm256_loadu_ps(qg + 8));
-        for (int64_t c = 1; c < s.chunks; ++c) {
+        for (int64_t c = 1; c < chunks; ++c) {
           load8x2(key + c * 16, k_lo, k_hi);
           lo = _mm256_fmadd_ps(k_lo, _mm256_loadu_ps(qg + c * 16), lo);
           hi = _mm256_fmadd_ps(k_hi, _mm256_loadu_ps(qg + c * 16 + 8), hi);
@@ -137,14 +158,23 @@ void merge(float* acc, int64_t dim, Normalizer own, const float* shared, Normali
 
 // out[g] = sum_t probs[g][t] * v[t] for the `group` rows, accumulated in fp32. The block walk repeats
 // score()'s on purpose: shared through a lambda, decode attention ran 25% slower (9.4 -> 12 ms per
-// batch-64 step of 30 layers) as GCC stopped keeping the loop's values in registers.
-template <typename T>
+// batch-64 step of 30 layers) as GCC stopped keeping the loop's values in registers. G and C as
+// score()'s: when fixed, the group's sums stay in registers across the keys instead of being loaded
+// and stored for each (the same FMAs in the same order).
+template <int G, int C, typename T>
 void weigh(const Shape s, const float* probs, const T* values, const int64_t* blocks, int64_t begin, int64_t seq_len,
            float* acc /* [group][head_dim] */) {
-  const int64_t dim = s.chunks * 16, block_elems = s.block_size * dim, first_block = begin / s.block_size;
-  std::fill(acc, acc + s.group * dim, 0.0f);
+  const int64_t group = G ? G : s.group, chunks = C ? C : s.chunks;
+  const int64_t dim = chunks * 16, block_elems = s.block_size * dim, first_block = begin / s.block_size;
+  std::fill(acc, acc + group * dim, 0.0f);
 #if defined(__AVX512F__)
-  __m512 v[16];
+  __m512 v[C ? C : 16];
+  [[maybe_unused]] __m512 a[G ? G : 1][C ? C : 1];
+  if constexpr (G && C) {
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+    }
+  }
 #endif
   for (int64_t first = first_block * s.block_size, b = first_block; first < seq_len; first += s.block_size, ++b) {
     const T* block = values + blocks[b] * block_elems;
@@ -152,18 +182,24 @@ void weigh(const Shape s, const float* probs, const T* values, const int64_t* bl
     const int64_t n = std::min(s.block_size, seq_len - first);
     for (int64_t t = std::max(int64_t{0}, begin - first); t < n; ++t) {
 #if defined(__AVX512F__)
-      for (int64_t c = 0; c < s.chunks; ++c) v[c] = load16(block + t * dim + c * 16);
-      for (int64_t g = 0; g < s.group; ++g) {
+      for (int64_t c = 0; c < chunks; ++c) v[c] = load16(block + t * dim + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
         const __m512 p = _mm512_set1_ps(probs[g * seq_len + first + t]);
-        float* row = acc + g * dim;
-        for (int64_t c = 0; c < s.chunks; ++c) _mm512_storeu_ps(row + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(row + c * 16)));
+        if constexpr (G && C) {
+          for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
+        } else {
+          float* row = acc + g * dim;
+          for (int64_t c = 0; c < chunks; ++c) {
+            _mm512_storeu_ps(row + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(row + c * 16)));
+          }
+        }
       }
 #else  // as score() does
       const T* value = block + t * dim;
-      for (int64_t g = 0; g < s.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         const __m256 p = _mm256_set1_ps(probs[g * seq_len + first + t]);
         float* row = acc + g * dim;
-        for (int64_t c = 0; c < s.chunks; ++c) {
+        for (int64_t c = 0; c < chunks; ++c) {
           __m256 v_lo, v_hi;
           load8x2(value + c * 16, v_lo, v_hi);
           _mm256_storeu_ps(row + c * 16, _mm256_fmadd_ps(p, v_lo, _mm256_loadu_ps(row + c * 16)));
@@ -173,53 +209,13 @@ void weigh(const Shape s, const float* probs, const T* values, const int64_t* bl
 #endif
     }
   }
-}
-
 #if defined(__AVX512F__)
-// weigh() with the group's G x C accumulators held in registers across the keys, instead of loaded
-// and stored for every key: for the shapes whose accumulators and one value fit the 32 registers.
-template <int G, int C, typename T>
-void weigh_in_registers(const Shape s, const float* probs, const T* values, const int64_t* blocks, int64_t begin,
-                        int64_t seq_len, float* acc /* [group][head_dim] */) {
-  constexpr int64_t dim = C * 16;
-  const int64_t block_elems = s.block_size * dim, first_block = begin / s.block_size;
-  __m512 a[G][C];
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
-  }
-  for (int64_t first = first_block * s.block_size, b = first_block; first < seq_len; first += s.block_size, ++b) {
-    const T* block = values + blocks[b] * block_elems;
-    if (first + s.block_size < seq_len) prefetch_block(values + blocks[b + 1] * block_elems, block_elems * sizeof(T));
-    const int64_t n = std::min(s.block_size, seq_len - first);
-    for (int64_t t = std::max(int64_t{0}, begin - first); t < n; ++t) {
-      __m512 v[C];
-      for (int c = 0; c < C; ++c) v[c] = load16(block + t * dim + c * 16);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(probs[g * seq_len + first + t]);
-        for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
-      }
+  if constexpr (G && C) {
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * dim + c * 16, a[g][c]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * dim + c * 16, a[g][c]);
-  }
-}
-
 #endif
-
-// weigh(), through weigh_in_registers where the shape has an instance (AVX-512).
-template <typename T>
-void weigh_values(const Shape s, const float* probs, const T* values, const int64_t* blocks, int64_t begin,
-                  int64_t seq_len, float* acc) {
-#if defined(__AVX512F__)
-  if (s.chunks == 4 && s.group == 1) return weigh_in_registers<1, 4>(s, probs, values, blocks, begin, seq_len, acc);
-  if (s.chunks == 4 && s.group == 2) return weigh_in_registers<2, 4>(s, probs, values, blocks, begin, seq_len, acc);
-  if (s.chunks == 4 && s.group == 3) return weigh_in_registers<3, 4>(s, probs, values, blocks, begin, seq_len, acc);
-  if (s.chunks == 4 && s.group == 4) return weigh_in_registers<4, 4>(s, probs, values, blocks, begin, seq_len, acc);
-  if (s.chunks == 8 && s.group == 1) return weigh_in_registers<1, 8>(s, probs, values, blocks, begin, seq_len, acc);
-  if (s.chunks == 8 && s.group == 2) return weigh_in_registers<2, 8>(s, probs, values, blocks, begin, seq_len, acc);
-#endif
-  weigh(s, probs, values, blocks, begin, seq_len, acc);
 }
 
 // Rows attended together: consecutive query rows of one request (a prefill chunk), at most this many
@@ -323,6 +319,39 @@ using Accumulate = void (*)(float*, const float*, const float*, int64_t);
 template <int... C>
 constexpr std::array<Accumulate, sizeof...(C)> accumulators(std::integer_sequence<int, C...>) {
   return {&accumulate<C + 1>...};
+}
+
+// A decode's attention to its keys [begin, len): the group's scores, their softmax (normalizers to
+// `own`), and the weighted values into w.acc. G and C as score()'s.
+template <int G, int C, typename T>
+void attend_decode(const Shape s, Scratch& w, int64_t begin, int64_t len, const T* keys, const T* values,
+                   const int64_t* blocks, const Upcoming<T>& next, Normalizer* own) {
+  score<G, C>(s, w.q, keys, blocks, begin, len, w.scores, next);
+  for (int64_t g = 0; g < s.group; ++g) {
+    if (s.soft_cap > 0) soft_cap(w.scores + g * len + begin, len - begin, s.soft_cap);
+    own[g] = softmax(w.scores + g * len + begin, len - begin);
+  }
+  weigh<G, C>(s, w.scores, values, blocks, begin, len, w.acc);
+}
+
+// attend_decode with the group and head_dim fixed at compile time where the group's query vectors and
+// sums fit the 32 vector registers beside a key (AVX-512: 1-4 query heads per KV head at head_dim 64,
+// 1-2 at 128; decode attention 20 -> 15-16 ms per 30 layers at batch 64, SmolLM2's shape), else read.
+template <typename T>
+void attend_decode(const Shape s, Scratch& w, int64_t begin, int64_t len, const T* keys, const T* values,
+                   const int64_t* blocks, const Upcoming<T>& next, Normalizer* own) {
+#if defined(__AVX512F__)
+  using Fixed = void (*)(const Shape, Scratch&, int64_t, int64_t, const T*, const T*, const int64_t*,
+                         const Upcoming<T>&, Normalizer*);
+  static constexpr Fixed kDim64[] = {&attend_decode<1, 4, T>, &attend_decode<2, 4, T>, &attend_decode<3, 4, T>,
+                                     &attend_decode<4, 4, T>};
+  static constexpr Fixed kDim128[] = {&attend_decode<1, 8, T>, &attend_decode<2, 8, T>};
+  const Fixed fixed = s.chunks == 4 && s.group >= 1 && s.group <= 4   ? kDim64[s.group - 1]
+                      : s.chunks == 8 && s.group >= 1 && s.group <= 2 ? kDim128[s.group - 1]
+                                                                      : nullptr;
+  if (fixed != nullptr) return fixed(s, w, begin, len, keys, values, blocks, next, own);
+#endif
+  attend_decode<0, 0>(s, w, begin, len, keys, values, blocks, next, own);
 }
 
 // The tile's queries ([rows * group][head_dim], pre-scaled fp32; query j is row j / group) against the
@@ -477,13 +506,7 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
           }
         }
         if (tile.count == 1) {  // a decode: stream the context once for the group's heads
-          const int64_t begin = first_key(tile.first);
-          score(s, w.q, keys, blocks, begin, len, w.scores, upcoming(task));
-          for (int64_t g = 0; g < s.group; ++g) {
-            if (s.soft_cap > 0) soft_cap(w.scores + g * len + begin, len - begin, s.soft_cap);
-            own[g] = softmax(w.scores + g * len + begin, len - begin);
-          }
-          weigh_values(s, w.scores, values, blocks, begin, len, w.acc);
+          attend_decode(s, w, first_key(tile.first), len, keys, values, blocks, upcoming(task), own.data());
         } else {
           attend_tile(s, w, tile.count, len, keys, values, blocks);
         }
