@@ -166,7 +166,7 @@ void weigh(const Shape s, const float* probs, const T* values, const int64_t* bl
            float* acc /* [group][head_dim] */) {
   const int64_t group = G ? G : s.group, chunks = C ? C : s.chunks;
   const int64_t dim = chunks * 16, block_elems = s.block_size * dim, first_block = begin / s.block_size;
-  std::fill(acc, acc + group * dim, 0.0f);
+  if constexpr (!(G && C)) std::fill(acc, acc + group * dim, 0.0f);  // fixed shapes store their sums at the end
 #if defined(__AVX512F__)
   __m512 v[C ? C : 16];
   [[maybe_unused]] __m512 a[G ? G : 1][C ? C : 1];
