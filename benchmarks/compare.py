@@ -241,26 +241,29 @@ def cold_starts(made: dict[str, Callable[[], HTTPServerProcess]], bursts: int, w
 
 
 def first_against_later(bursts: list[dict[str, Any]]) -> dict[str, float | None]:
-    """The first burst's output tok/s and TTFT p50 over the later bursts' mean (None with one burst)."""
-    if len(bursts) < 2:
-        return {"first_over_later_throughput": None, "first_over_later_ttft_p50": None}
-    later = bursts[1:]
-    return {key: bursts[0][figure] / statistics.mean(b[figure] for b in later)
-            for key, figure in (("first_over_later_throughput", "output_throughput"),
-                                ("first_over_later_ttft_p50", "median_ttft_ms"))}
+    """The later bursts' mean output tok/s and TTFT p50, and the first burst's over them (None with one burst)."""
+    figures: dict[str, float | None] = {}
+    for name, figure in (("throughput", "output_throughput"), ("ttft_p50", "median_ttft_ms")):
+        later = statistics.mean(b[figure] for b in bursts[1:]) if len(bursts) > 1 else None
+        figures[f"later_{name}"] = later
+        figures[f"first_over_later_{name}"] = None if later is None else bursts[0][figure] / later
+    return figures
 
 
 def cold_table(report: dict[str, Any]) -> str:
     rows = [f"{'':<12}{'ready s':>10}{'1st tok/s':>12}{'later tok/s':>13}{'1st/later':>11}"
             f"{'1st TTFT p50':>14}{'later TTFT p50':>16}{'1st/later':>11}"]
+
+    def cell(value: float | None, spec: str, unit: str = "") -> str:
+        return "-" if value is None else format(value, spec) + unit
+
     for name, figures in report.items():
-        first, later = figures["bursts"][0], figures["bursts"][1:]
-        rates = (first["output_throughput"], statistics.mean(b["output_throughput"] for b in later) if later else 0.0)
-        ttfts = (first["median_ttft_ms"], statistics.mean(b["median_ttft_ms"] for b in later) if later else 0.0)
-        ratios = (figures["first_over_later_throughput"], figures["first_over_later_ttft_p50"])
-        cells = ["-" if r is None else f"{r:.2f}x" for r in ratios]
-        rows.append(f"{name:<12}{figures['ready_s']:>10.1f}{rates[0]:>12.1f}{rates[1]:>13.1f}{cells[0]:>11}"
-                    f"{ttfts[0]:>14.0f}{ttfts[1]:>16.0f}{cells[1]:>11}")
+        first = figures["bursts"][0]
+        rows.append(f"{name:<12}{figures['ready_s']:>10.1f}{first['output_throughput']:>12.1f}"
+                    f"{cell(figures['later_throughput'], '.1f'):>13}"
+                    f"{cell(figures['first_over_later_throughput'], '.2f', 'x'):>11}"
+                    f"{first['median_ttft_ms']:>14.0f}{cell(figures['later_ttft_p50'], '.0f'):>16}"
+                    f"{cell(figures['first_over_later_ttft_p50'], '.2f', 'x'):>11}")
     return "\n".join(rows)
 
 
