@@ -16,10 +16,11 @@
 - decode attention: 64 requests x 200 tokens of context, 30 layers, read through a block table
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
 - prefill attention: one 2,048-token prompt (and a 512-token chunk after 1,536 cached tokens), one
-  layer, against torch's causal SDPA over the same keys gathered into contiguous tensors.
+  layer, on each bf16 path the CPU has (packed keys on AMX tiles or by VDPBF16PS, and fp32), against
+  torch's causal SDPA over the same keys gathered into contiguous tensors.
 - decodes over a shared prefix: 32 decodes over 1,150 keys each, 30 layers, the first 1,024 keys in
-  blocks all 32 share (a system prompt in the prefix cache: cascade attention where the CPU has AMX)
-  or in blocks of their own.
+  blocks all 32 share (a system prompt in the prefix cache: cascade attention over packed keys where
+  the CPU has AMX or AVX512-BF16, each path the CPU has) or in blocks of their own.
 
 Prints milliseconds (the median of the repeats), GFLOP/s for the GEMMs, and cadence's speed-up.
 Needs a CPU with AVX-512 or AVX2. A benchmark, never a test.
@@ -33,7 +34,7 @@ import argparse
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -178,6 +179,18 @@ def bench_attention(ops: Any, repeats: int) -> None:
     print(f"  shuffled / contiguous: {times['shuffled'] / times['contiguous']:.2f}x the time")
 
 
+def attention_paths(ops: Any) -> Iterator[str]:
+    """Paged attention's bf16 paths this CPU has, each switched on in turn: "AMX" (packed keys on the
+    tile unit), "VDPBF16PS" (packed keys without it), "fp32"; the default again after the last."""
+    try:
+        for name, amx, dot in (("AMX", True, False), ("VDPBF16PS", False, True), ("fp32", False, False)):
+            if ops.use_amx(amx) == amx and ops.use_bf16_dot(dot) == dot:
+                yield name
+    finally:
+        ops.use_amx(True)
+        ops.use_bf16_dot(True)
+
+
 def bench_prefill_attention(ops: Any, repeats: int) -> None:
     kv_heads, group, head_dim, block_size, context = 3, 3, 64, 16, 2048
     generator = torch.Generator().manual_seed(0)
@@ -190,13 +203,14 @@ def bench_prefill_attention(ops: Any, repeats: int) -> None:
         out, requests = torch.empty_like(q), torch.zeros(rows, dtype=torch.long)
         seq_lens = torch.arange(context - rows + 1, context + 1)
         mask = torch.arange(context)[None, :] < seq_lens[:, None]  # each row sees up to its position
-        ours = median_ms(lambda q=q, out=out, requests=requests, seq_lens=seq_lens: ops.paged_attention(
-            out, q, k, v, table, requests, seq_lens, head_dim ** -0.5, 0, 0.0), repeats)
         query = q.transpose(0, 1).unsqueeze(0)
         theirs = median_ms(lambda query=query, mask=mask: F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, enable_gqa=True), repeats)
-        print(f"  prefill attention, {rows} rows over {context} keys: cadence {ours:.2f} ms  "
-              f"torch SDPA {theirs:.2f} ms  {theirs / ours:.2f}x")
+        for path in attention_paths(ops):
+            ours = median_ms(lambda q=q, out=out, requests=requests, seq_lens=seq_lens: ops.paged_attention(
+                out, q, k, v, table, requests, seq_lens, head_dim ** -0.5, 0, 0.0), repeats)
+            print(f"  prefill attention, {rows} rows over {context} keys: cadence {path} {ours:.2f} ms  "
+                  f"torch SDPA {theirs:.2f} ms  {theirs / ours:.2f}x")
 
 
 def bench_shared_prefix_decodes(ops: Any, repeats: int) -> None:
@@ -204,7 +218,7 @@ def bench_shared_prefix_decodes(ops: Any, repeats: int) -> None:
     per_request = -(-context // block_size)
     q = torch.randn(requests, kv_heads * group, head_dim, dtype=torch.bfloat16)
     out, rows, seq_lens = torch.empty_like(q), torch.arange(requests), torch.full((requests,), context)
-    times = {}
+    steps = {}
     for shared in (True, False):
         prefix_blocks = prefix // block_size if shared else 0
         own = per_request - prefix_blocks
@@ -217,9 +231,12 @@ def bench_shared_prefix_decodes(ops: Any, repeats: int) -> None:
             for k, v in caches:
                 ops.paged_attention(out, q, k, v, table, rows, seq_lens, head_dim ** -0.5, 0, 0.0)
 
-        times[shared] = median_ms(step, repeats)
-    print(f"  {requests} decodes over {context} keys, the first {prefix} in shared blocks: {times[True]:.2f} ms "
-          f"per 30 layers; in blocks of their own: {times[False]:.2f} ms ({times[False] / times[True]:.2f}x)")
+        steps[shared] = step
+    for path in attention_paths(ops):
+        times = {shared: median_ms(step, repeats) for shared, step in steps.items()}
+        print(f"  {requests} decodes over {context} keys ({path}), the first {prefix} in shared blocks: "
+              f"{times[True]:.2f} ms per 30 layers; in blocks of their own: {times[False]:.2f} ms "
+              f"({times[False] / times[True]:.2f}x)")
 
 
 def main() -> None:

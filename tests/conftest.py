@@ -1,7 +1,7 @@
 """Fixtures every test folder shares: tiny models (``make_tiny_model``, built by
 ``support/tiny_models.py``), a real server of one (``serve_tiny``), one with tool and reasoning
 parsers (``tool_chat_server``), OpenAI's spec (``spec``), and the C++ kernels' path on AMX
-(``amx_path``)."""
+(``amx_path``) and paged attention's bf16 path (``attention_path``)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,26 @@ def amx_path(request: pytest.FixtureRequest) -> Iterator[bool]:
         pytest.skip("this CPU has no AMX" if amx else "cadence's CPU kernels do not build here")
     yield amx
     ops.use_amx(True)
+
+
+@pytest.fixture
+def attention_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Paged attention's path for bf16 prefill tiles the test asks for (``indirect`` parameter): "amx"
+    (the tile unit, decodes too), "bf16_dot" (VDPBF16PS where the CPU has no tile unit) or "fp32", for
+    the test's length; skips where the CPU has no such path."""
+    from cadence.backends.cpu_kernels import cpu_ops
+
+    ops = cpu_ops()
+    path: str = request.param
+    amx, dot = path == "amx", path == "bf16_dot"
+    if ops is None or ops.use_amx(amx) != amx or ops.use_bf16_dot(dot) != dot:
+        if ops is not None:
+            ops.use_amx(True)
+            ops.use_bf16_dot(True)
+        pytest.skip(f"this CPU has no {path} path" if ops is not None else "cadence's CPU kernels do not build here")
+    yield path
+    ops.use_amx(True)
+    ops.use_bf16_dot(True)
 
 
 @pytest.fixture

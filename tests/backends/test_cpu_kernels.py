@@ -15,6 +15,9 @@ from cadence.backends.sdpa_backend import SDPABackend
 from cadence.backends.testing import PagedBatch, random_paged_batch, run_backend
 
 CPU = torch.device("cpu")
+# Paged attention's bf16 paths (the attention_path fixture): prefill tiles over packed keys on the tile unit
+# or by VDPBF16PS, or in fp32.
+PATHS = ["amx", "bf16_dot", "fp32"]
 # Where the CPU has AVX-512 or AVX2 the kernels must build, so a broken build fails here rather than skipping.
 pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"),
                                 reason="cadence's CPU kernels need AVX-512 or AVX2")
@@ -71,13 +74,14 @@ def test_decodes_match_naive_attention(dtype: torch.dtype, atol: float, heads: i
     _check(random_paged_batch(requests, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim), atol)
 
 
-@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
+@pytest.mark.parametrize("attention_path", PATHS, indirect=True)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256), (34, 2, 32)])
 @pytest.mark.parametrize("block_size", [16, 32, 5])
-def test_bf16_decodes_match_naive_attention(amx_path: bool, heads: int, kv_heads: int, head_dim: int,
+def test_bf16_decodes_match_naive_attention(attention_path: str, heads: int, kv_heads: int, head_dim: int,
                                             block_size: int) -> None:
     """bf16 decodes on the tile unit (blocks of a multiple of 16 keys, at most 16 query heads a KV head;
-    the others and the CPUs without tiles on the fp32 path) and off it."""
+    the others and the CPUs without tiles on the fp32 path) and off it (the VDPBF16PS path's decodes are
+    the fp32 path's)."""
     requests = [(0, 1), (14, 1), (15, 1), (16, 1), (31, 1), (32, 1), (47, 1), (99, 1), (300, 1)]
     _check(random_paged_batch(requests, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim), 2e-2)
 
@@ -116,19 +120,20 @@ def test_any_split_between_threads_gives_the_same_bits(threads: int, dtype: torc
 PREFILLS = [(0, 70), (33, 40), (5, 1), (100, 21), (0, 4), (200, 3)]
 
 
-@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
+@pytest.mark.parametrize("attention_path", PATHS, indirect=True)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 1, 256), (6, 2, 32)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_bf16_prefill_tiles_match_naive_attention(amx_path: bool, heads: int, kv_heads: int, head_dim: int,
+def test_bf16_prefill_tiles_match_naive_attention(attention_path: str, heads: int, kv_heads: int, head_dim: int,
                                                   block_size: int) -> None:
-    """bf16 prefill tiles, on the tile unit (probabilities rounded to bf16) and off it."""
+    """bf16 prefill tiles over packed keys (probabilities rounded to bf16), on the tile unit or by
+    VDPBF16PS, and in fp32."""
     _check(random_paged_batch(PREFILLS, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim), 2e-2)
 
 
-@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
+@pytest.mark.parametrize("attention_path", PATHS, indirect=True)
 @pytest.mark.parametrize("window", [0, 20])
-def test_a_rows_bits_do_not_depend_on_its_tile(amx_path: bool, window: int) -> None:
-    """A prompt's rows attended in one call and as two chunks (so in other tiles: on the tile unit rows
+def test_a_rows_bits_do_not_depend_on_its_tile(attention_path: str, window: int) -> None:
+    """A prompt's rows attended in one call and as two chunks (so in other tiles: over packed keys rows
     0-31 and 32-35 against 0-5, then 6-35; on the fp32 path 0-15, 16-31, 32-35 against 0-5, then 6-21,
     22-35) give the same bits, with and without a sliding window."""
     kv_heads, group, head_dim, block_size, rows = 2, 3, 64, 16, 36
@@ -146,8 +151,8 @@ def test_a_rows_bits_do_not_depend_on_its_tile(amx_path: bool, window: int) -> N
     assert torch.equal(attend(0, rows), torch.cat([attend(0, 6), attend(6, rows)]))
 
 
-@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
-def test_prefill_chunks_sharing_blocks_give_each_ones_bits(amx_path: bool) -> None:
+@pytest.mark.parametrize("attention_path", PATHS, indirect=True)
+def test_prefill_chunks_sharing_blocks_give_each_ones_bits(attention_path: str) -> None:
     """Prompts' chunks over a cached prefix, in one call: the tile unit keeps the keys it packed for one
     request where the next reads the same blocks (whole 32-key chunks of them). Each chunk's bits are
     those it gets alone, where nothing is kept, and near naive attention's: two share all 8 blocks,
@@ -215,17 +220,18 @@ def _shared_prefix_decodes(window: int, cap: float, rows: list[int] | None = Non
     return out, torch.stack(expected)
 
 
-@pytest.mark.parametrize("amx_path", [True, False], indirect=True)
+@pytest.mark.parametrize("attention_path", PATHS, indirect=True)
 @pytest.mark.parametrize(("window", "cap"), [(0, 0.0), (0, 0.5), (40, 0.0)])
-def test_decodes_sharing_a_prefix_match_naive_attention(amx_path: bool, window: int, cap: float) -> None:
-    """On the tile unit, decodes that share a prefix attend to it together, then to their own keys, and
-    the two parts merge (cascade attention); off it, or with a window, each decode reads its context."""
+def test_decodes_sharing_a_prefix_match_naive_attention(attention_path: str, window: int, cap: float) -> None:
+    """Over packed keys (the tile unit, VDPBF16PS), decodes that share a prefix attend to it together,
+    then to their own keys, and the two parts merge (cascade attention); in fp32, or with a window, each
+    decode reads its context."""
     out, expected = _shared_prefix_decodes(window, cap)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("amx_path", [True], indirect=True)
-def test_only_decodes_sharing_enough_take_the_shared_pass(amx_path: bool) -> None:
+@pytest.mark.parametrize("attention_path", ["amx", "bf16_dot"], indirect=True)
+def test_only_decodes_sharing_enough_take_the_shared_pass(attention_path: str) -> None:
     """The five decodes over 8 shared blocks go through the shared pass (their bits differ from each one
     attended alone, which never shares); the three over 5 blocks, too few, and the lone one do not."""
     together, _ = _shared_prefix_decodes(0, 0.0)

@@ -95,11 +95,12 @@ def test_a_large_batch_built_in_tensor_ops_is_a_valid_paged_batch() -> None:
     torch.testing.assert_close(out.double(), naive_reference(batch, 32 ** -0.5, 8), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("amx_path", [True], indirect=True)
+@pytest.mark.parametrize("attention_path", ["amx", "bf16_dot"], indirect=True)
 @pytest.mark.parametrize(("window", "cap"), [(5, None), (33, None), (None, 0.5), (12, 0.5)])
-def test_bf16_prefill_tiles_on_the_tile_unit_match_the_definition(amx_path: bool, window: int | None,
-                                                                  cap: float | None,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The AMX path (attention_amx.cpp) windows and caps its rows' scores as the fp32 one does."""
+def test_bf16_prefill_tiles_on_packed_keys_match_the_definition(attention_path: str, window: int | None,
+                                                                cap: float | None,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paths over packed keys (attention_packed.cpp: the tile unit, VDPBF16PS) window and cap their rows'
+    scores as the fp32 one does."""
     out, expected = _attend("kernel", window, cap, torch.bfloat16, 64, 5, monkeypatch)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=0)

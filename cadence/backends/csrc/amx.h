@@ -1,5 +1,5 @@
 // The AMX tile unit (Sapphire Rapids and later), shared by the kernels that use it (bf16_linear.cpp,
-// attention_amx.cpp): whether this process may use it, the switch tests and benchmarks turn it off
+// attention_packed.cpp): whether this process may use it, the switch tests and benchmarks turn it off
 // with, and the one tile shape they all load.
 #pragma once
 
@@ -34,6 +34,23 @@ inline bool amx_available() {
 inline std::atomic<bool> amx_enabled{true};
 
 inline bool use_amx() { return amx_enabled && amx_available(); }
+
+// The CPU has AVX512-BF16's dot products (VDPBF16PS: two bf16 products summed into each fp32 lane),
+// which paged attention's prefill tiles take where it has no tile unit (AMD Zen 4 and later, Cooper
+// Lake), and the switch tests and benchmarks compare them with the fp32 path by
+// (torch.ops.cadence_cpu.use_bf16_dot).
+inline bool bf16_dot_available() {
+#if defined(__AVX512F__)
+  static const bool available = __builtin_cpu_supports("avx512bf16");
+  return available;
+#else
+  return false;
+#endif
+}
+
+inline std::atomic<bool> bf16_dot_enabled{true};
+
+inline bool use_bf16_dot() { return bf16_dot_enabled && bf16_dot_available(); }
 
 #if defined(__AVX512F__)
 #pragma GCC push_options

@@ -14,10 +14,12 @@
 //   transposed once so that a query's 16 scores are head_dim FMAs, and each value chunk serves every
 //   query of the tile (compute-bound);
 // - with a bf16 cache on a CPU with AMX, a tile of 4 rows or more goes to the tile unit instead
-//   (attention_amx.cpp: AmxAttention), 4-6x faster on long prompts, and so does a decode where the
-//   call's shape allows (AmxAttention::takes_decodes), about 10% faster; and decodes that share their
+//   (attention_packed.cpp: PackedAttention), 4-6x faster on long prompts, and so does a decode where the
+//   call's shape allows (PackedAttention::takes_decodes), about 10% faster; and decodes that share their
 //   first blocks attend to those together there first (attend_shared_prefixes), then each to its own
-//   keys, the two parts merged (cascade attention).
+//   keys, the two parts merged (cascade attention);
+// - without AMX but with AVX512-BF16, the same tiles and shared prefixes take the same packed steps
+//   by VDPBF16PS (about 2.5x the fp32 path on long prompts), while decodes stay on the fp32 path.
 // Built on first use by cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
 
 #include <ATen/Parallel.h>
@@ -219,11 +221,13 @@ void weigh(const Shape s, const float* probs, const T* values, const int64_t* bl
 }
 
 // Rows attended together: consecutive query rows of one request (a prefill chunk), at most this many
-// on the fp32 path (AmxAttention::kMaxRows on the tile unit).
+// on the fp32 path (PackedAttention::kMaxRows over packed keys).
 constexpr int64_t kTileRows = 16;
-// Tiles of at least this many rows take the tile unit, where they can (AmxAttention): 32 tiles over 200
-// keys each took 1.21x the fp32 path's time there at 2 rows, 0.84x at 4, 0.35x at 16.
-constexpr int64_t kAmxTileRows = 4;
+// Tiles of at least this many rows take the packed keys, where they can (PackedAttention). On the tile
+// unit 32 tiles over 200 keys each took 1.21x the fp32 path's time at 2 rows, 0.84x at 4, 0.35x at 16;
+// by VDPBF16PS (AMD EPYC, 2026-12-07) 0.61x at 4 rows, 0.52x at 8, 0.48x at 16 (over 1,000 keys 0.59x,
+// 0.56x, 0.54x).
+constexpr int64_t kPackedTileRows = 4;
 
 // rows [first, first + count) of one request, at consecutive positions.
 struct Tile {
@@ -437,14 +441,16 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
   const int64_t* requests = row_requests.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t longest = *std::max_element(lens, lens + num_rows);
-  // A bf16 cache's prefill tiles go to the tile unit where the CPU has one (attention_amx.cpp).
-  const bool amx = std::is_same_v<T, at::BFloat16> && dim % 32 == 0 && use_amx();
-  const int64_t tile_rows = amx ? AmxAttention::kMaxRows : kTileRows;
+  // A bf16 cache's prefill tiles go to the tile unit where the CPU has one, else to VDPBF16PS where it
+  // has those (attention_packed.cpp: packed), and decodes to the tile unit.
+  const bool packable = std::is_same_v<T, at::BFloat16> && dim % 32 == 0;
+  const bool amx = packable && use_amx(), packed = amx || (packable && use_bf16_dot());
+  const int64_t tile_rows = packed ? PackedAttention::kMaxRows : kTileRows;
   const std::vector<Tile> tiles = tiles_of(requests, lens, num_rows, tile_rows);
   SharedPrefixes shared;  // and decodes that share their first keys attend to those together first
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (amx && s.window == 0) {
+    if (packed && s.window == 0) {
       std::vector<int64_t> decodes;
       for (const Tile& tile : tiles) {
         if (tile.count == 1) decodes.push_back(tile.first);
@@ -458,7 +464,7 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
     Scratch w(s, longest, tile_rows);
     std::vector<Normalizer> own(s.group);  // a decode's heads' normalizers
 #if defined(__AVX512F__)
-    std::optional<AmxAttention> unit;  // made at this share's first task on the tile unit, if it has one
+    std::optional<PackedAttention> unit;  // made at this share's first task on the tile unit, if it has one
 #endif
     const __m512 scale = _mm512_set1_ps(s.scale);
     // The first key a decode reads here: past those it shares with other decodes, if any (SharedPrefixes
@@ -486,7 +492,7 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         const T* q_tile = q_ptr + tile.first * s.q_stride + head * s.group * dim;
-        if (amx && (tile.count >= kAmxTileRows || (tile.count == 1 && AmxAttention::takes_decodes(s)))) {
+        if (packed && (tile.count >= kPackedTileRows || (amx && tile.count == 1 && PackedAttention::takes_decodes(s)))) {
           if (!unit) unit.emplace(s, num_kv_heads);
           if (tile.count == 1) {
             unit->attend_decode(q_tile, first_key(tile.first), len, keys, values, blocks, upcoming(task), w.acc,
@@ -524,6 +530,13 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
   at::parallel_for(0, static_cast<int64_t>(shares.size()) - 1, 1, [&](int64_t first_share, int64_t last_share) {
     for (int64_t share = first_share; share < last_share; ++share) attend_tasks(shares[share], shares[share + 1]);
   });
+}
+
+// Turns paged attention's VDPBF16PS path on or off (tests and benchmarks compare it with the fp32 path);
+// whether it is on.
+bool switch_bf16_dot(bool enable) {
+  bf16_dot_enabled = enable;
+  return cadence::use_bf16_dot();
 }
 
 // out, q: [rows, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim];
@@ -587,6 +600,7 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("use_bf16_dot(bool enable) -> bool", switch_bf16_dot);  // no tensors: callable on any dispatch key
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor row_requests, Tensor seq_lens, float scale, int window, float soft_cap) -> ()");
 }

@@ -1,5 +1,5 @@
 // What paged attention's two translation units share: a call's shape, and the AMX path for prefill
-// tiles and decodes (attention_amx.cpp), which paged_attention.cpp hands its bf16 rows to where the CPU
+// tiles and decodes (attention_packed.cpp), which paged_attention.cpp hands its bf16 rows to where the CPU
 // has tiles.
 #pragma once
 
@@ -59,24 +59,24 @@ struct SharedPrefixes {
 };
 
 // SharedPrefixes of `decode_rows` (rows of one query each) over a bf16 cache, for a call without a
-// sliding window, on the tile unit: groups of at least 4 rows sharing at least 64 keys.
+// sliding window, over packed keys: groups of at least 4 rows sharing at least 64 keys.
 SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, const at::BFloat16* k_cache,
                                       const at::BFloat16* v_cache, int64_t num_kv_heads, int64_t num_rows,
                                       const int64_t* table, const int64_t* requests, const int64_t* lens,
                                       const std::vector<int64_t>& decode_rows);
 
-// One thread's attention on the AMX tile unit, over a bf16 cache whose head_dim is a multiple of 32,
-// for one paged_attention call (the caches' contents are the call's). For prefill tiles it keeps, for
+// One thread's attention over packed keys and values (attention_packed.cpp), on the AMX tile unit or
+// else by VDPBF16PS, over a bf16 cache whose head_dim is a multiple of 32, for one paged_attention call (the caches' contents are the call's). For prefill tiles it keeps, for
 // each KV head, the keys and values of the request it last attended, repacked as tile operands, and
 // grows them as that request's next tiles read further: a 512-token chunk is 32 tiles, each over every
 // key before it. The next request keeps those it reads from the same blocks (a cached prompt prefix).
 // A decode reads its keys in place instead (attend_decode): no other row reuses them.
-class AmxAttention {
+class PackedAttention {
  public:
-  AmxAttention(const Shape& s, int64_t num_kv_heads);
-  ~AmxAttention();
-  AmxAttention(const AmxAttention&) = delete;
-  AmxAttention& operator=(const AmxAttention&) = delete;
+  PackedAttention(const Shape& s, int64_t num_kv_heads);
+  ~PackedAttention();
+  PackedAttention(const PackedAttention&) = delete;
+  PackedAttention& operator=(const PackedAttention&) = delete;
 
   // Whether attend_decode takes a call of this shape: a KV head's query heads fit one tile's 16 columns,
   // and 16 keys from a multiple of 16 lie in one block.
@@ -124,10 +124,13 @@ class AmxAttention {
   void pack_values(Packed& p, int64_t first, int64_t end, const at::BFloat16* values, const int64_t* blocks) const;
   void prepare(int64_t width);
   void score(const uint32_t* keys, int64_t width, int64_t rows, const int64_t* lo, const int64_t* hi);
+  void dot_score(const uint32_t* keys, int64_t width, int64_t rows, const int64_t* lo, const int64_t* hi);
   Normalizer exponentials(int64_t row, int64_t lo, int64_t hi, int64_t width);
   void weigh(const uint16_t* values, int64_t width, int64_t rows, float* out, int64_t out_stride);
+  void dot_weigh(const uint16_t* values, int64_t width, int64_t rows, float* out, int64_t out_stride);
 
   const Shape s_;
+  const bool amx_;              // the products on the tile unit; else by VDPBF16PS (dot_score, dot_weigh)
   std::vector<Packed> packed_;  // per KV head
   Packed decode_;               // the values of the decode attend_decode last attended
   std::vector<uint16_t> q_;     // one query head's 32 rows, bf16: the scores' A tiles (a decode's B tiles)

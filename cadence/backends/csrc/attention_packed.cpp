@@ -1,5 +1,8 @@
-// Paged attention's prefill tiles and decodes on the AMX tile unit (bf16 caches, head_dim a multiple
-// of 32); decodes: attend_decode, below the prefill's steps.
+// Paged attention over keys and values packed as bf16 pairs (bf16 caches, head_dim a multiple of 32):
+// prefill tiles and decodes on the AMX tile unit, and where the CPU has no tile unit but has
+// AVX512-BF16 (AMD Zen 4 and later), prefill tiles by VDPBF16PS (dot_score, dot_weigh: the same
+// packing, exponentials and sums, each tile step a register loop). Decodes: attend_decode, below the
+// prefill's steps.
 //
 // The fp32 tile path (paged_attention.cpp: attend_tile) took one 2,048-token prompt's attention in
 // 31 ms a layer on 2 Sapphire Rapids-class cores (SmolLM2: 9 query heads over 3 KV heads), against
@@ -23,6 +26,11 @@
 // attend_shared_prefixes (below) runs the same steps for decodes that share their first blocks: their
 // queries together over the shared keys, unnormalized, for paged_attention.cpp to merge with each
 // decode's own keys (cascade attention).
+// On 2 AMD EPYC cores with AVX512-BF16 (2026-12-07) the VDPBF16PS steps took a 2,048-token prompt's
+// attention in 15.5-17.9 ms a layer against 39-41 on the fp32 path, 32 prompts' 64-token chunks over
+// 1,088 cached keys in 19-20 ms against 46-52, and 32 decodes sharing 1,024 of their 1,150 keys in
+// 16.8-17.1 ms a step (30 layers) against 29.5-29.9 (benchmarks/cpu_kernels.py); there each
+// VDPBF16PS step is at the core's rate, and packing is about a sixth of the time.
 // Built with the other kernels by cadence/backends/cpu_kernels.py; not at all in their AVX2 build.
 
 #include "paged_attention.h"
@@ -35,6 +43,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -131,14 +140,14 @@ void take_chunk(const Shape& s, float* scores, int64_t stride, int64_t c, int64_
 
 }  // namespace
 
-AmxAttention::AmxAttention(const Shape& s, int64_t num_kv_heads)
-    : s_(s), packed_(num_kv_heads), q_(kMaxRows * s.chunks * 16) {}
+PackedAttention::PackedAttention(const Shape& s, int64_t num_kv_heads)
+    : s_(s), amx_(use_amx()), packed_(num_kv_heads), q_(kMaxRows * s.chunks * 16) {}
 
-AmxAttention::~AmxAttention() {
+PackedAttention::~PackedAttention() {
   if (configured_) release_tiles();
 }
 
-void AmxAttention::attend(const at::BFloat16* q, int64_t rows, int64_t first_len, int64_t request, int64_t head,
+void PackedAttention::attend(const at::BFloat16* q, int64_t rows, int64_t first_len, int64_t request, int64_t head,
                           const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks, float* out) {
   const int64_t dim = s_.chunks * 16, last_len = first_len + rows - 1;
   const int64_t first = round_down(s_.begin(first_len)), width = round_up(last_len) - first;
@@ -163,7 +172,7 @@ void AmxAttention::attend(const at::BFloat16* q, int64_t rows, int64_t first_len
   }
 }
 
-void AmxAttention::attend_shared(const at::BFloat16* const* queries, int64_t n, int64_t shared, int64_t id,
+void PackedAttention::attend_shared(const at::BFloat16* const* queries, int64_t n, int64_t shared, int64_t id,
                                  int64_t head, const at::BFloat16* keys, const at::BFloat16* values,
                                  const int64_t* blocks, float* const* outs, Normalizer* norms) {
   const int64_t dim = s_.chunks * 16, width = round_up(shared);
@@ -183,8 +192,8 @@ void AmxAttention::attend_shared(const at::BFloat16* const* queries, int64_t n, 
 
 // The tiles configured (at this thread's first tile: most calls' threads never get one), and the
 // scores and exponentials sized for a tile over `width` keys.
-void AmxAttention::prepare(int64_t width) {
-  if (!configured_) {
+void PackedAttention::prepare(int64_t width) {
+  if (amx_ && !configured_) {
     configure_tiles();
     configured_ = true;
   }
@@ -196,7 +205,7 @@ void AmxAttention::prepare(int64_t width) {
 }
 
 // Keys and values [first, end) of the request packed in p, from what it holds already where it can.
-void AmxAttention::ensure(Packed& p, int64_t request, int64_t first, int64_t end, const at::BFloat16* keys,
+void PackedAttention::ensure(Packed& p, int64_t request, int64_t first, int64_t end, const at::BFloat16* keys,
                           const at::BFloat16* values, const int64_t* blocks) const {
   if (p.request != request || first < p.base) {
     // Another request keeps the whole chunks of keys it reads from the same blocks (a prompt prefix
@@ -225,7 +234,7 @@ void AmxAttention::ensure(Packed& p, int64_t request, int64_t first, int64_t end
 
 // Keys [first, first + 32) as two B tiles' worth for each 32 dims: 16 dim pairs x 16 keys. Keys from
 // `end` on are zeros.
-void AmxAttention::pack_keys(Packed& p, int64_t first, int64_t end, const at::BFloat16* keys,
+void PackedAttention::pack_keys(Packed& p, int64_t first, int64_t end, const at::BFloat16* keys,
                              const int64_t* blocks) const {
   const int64_t dim = s_.chunks * 16;
   for (int64_t half = first; half < first + kChunk; half += 16) {
@@ -238,7 +247,7 @@ void AmxAttention::pack_keys(Packed& p, int64_t first, int64_t end, const at::BF
 
 // Values [first, first + 32) as a B tile for each 16 dims: 16 key pairs x 16 dims, the pair's two
 // values side by side. Values from `end` on are zeros (their probabilities are too, but 0 x NaN is not).
-void AmxAttention::pack_values(Packed& p, int64_t first, int64_t end, const at::BFloat16* values,
+void PackedAttention::pack_values(Packed& p, int64_t first, int64_t end, const at::BFloat16* values,
                                const int64_t* blocks) const {
   static const __m512i kInterleave = interleave_index();
   const int64_t dim = s_.chunks * 16;
@@ -260,7 +269,8 @@ void AmxAttention::pack_values(Packed& p, int64_t first, int64_t end, const at::
 // each seeing keys [lo[i], hi[i]) from there, tops_ their maxima (see take). Past 16 rows the second
 // row tile takes each key tile loaded as well: the products waited on those loads (from L2: 1,088
 // keys are 139 KB a KV head), not on each other. A row's sums are the same steps either way.
-void AmxAttention::score(const uint32_t* keys, int64_t width, int64_t rows, const int64_t* lo, const int64_t* hi) {
+void PackedAttention::score(const uint32_t* keys, int64_t width, int64_t rows, const int64_t* lo, const int64_t* hi) {
+  if (!amx_) return dot_score(keys, width, rows, lo, hi);
   const int64_t dim = s_.chunks * 16, half = 16 * dim / 2;  // one 16-key half of a chunk
   const bool two = rows > kAmxRows;
   const uint16_t* lower_q = q_.data() + kAmxRows * dim;
@@ -301,7 +311,7 @@ void AmxAttention::score(const uint32_t* keys, int64_t width, int64_t rows, cons
 // Row `row`'s exponentials into probs_ (bf16; zero outside its keys [lo, hi) from the tile's first),
 // shifted by its maximum (tops_), and their normalizer. Keys go in groups of 16 aligned to the
 // request's first key, so that the sum's lanes see the same keys whichever tile the row is in.
-Normalizer AmxAttention::exponentials(int64_t row, int64_t lo, int64_t hi, int64_t width) {
+Normalizer PackedAttention::exponentials(int64_t row, int64_t lo, int64_t hi, int64_t width) {
   const float* x = scores_.data() + row * stride_;
   uint16_t* out = probs_.data() + row * stride_;
   const int64_t start = lo / 16 * 16;
@@ -325,7 +335,8 @@ Normalizer AmxAttention::exponentials(int64_t row, int64_t lo, int64_t hi, int64
 // out [rows][dim] (rows `out_stride` floats apart) = probs_ V over the packed values from the tile's
 // first. Sum tiles 0 and 1 take 32 dims of the first row tile; 2 and 3 the same dims of the second
 // past 16 rows, sharing each value tile loaded (see score), or else the next 32 dims.
-void AmxAttention::weigh(const uint16_t* values, int64_t width, int64_t rows, float* out, int64_t out_stride) {
+void PackedAttention::weigh(const uint16_t* values, int64_t width, int64_t rows, float* out, int64_t out_stride) {
+  if (!amx_) return dot_weigh(values, width, rows, out, out_stride);
   const int64_t dim = s_.chunks * 16, stride = out_stride * 4;
   constexpr int64_t kGroup = 16 * 32;  // one B tile: 16 key pairs x 16 dims x 2
   const bool two = rows > kAmxRows;
@@ -367,6 +378,115 @@ void AmxAttention::weigh(const uint16_t* values, int64_t width, int64_t rows, fl
   }
 }
 
+namespace {
+
+// 32 bf16 (16 pairs) from anywhere: the packed operands' vectors need not start on a 64-byte line.
+__m512bh load_bh(const void* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
+// Rows [0, R) of a tile's scores over one 32-key chunk by VDPBF16PS: q holds each row's dim pairs
+// (`pairs` apart), keys the chunk's two packed 16-key halves ([pairs][16] each, `half` apart). A row's
+// 16 sums of a half are its pairs broadcast against the half's pair rows, in the pairs' order, as the
+// tile unit takes them: each pair row loaded serves the R rows.
+template <int R>
+void dot_score_rows(const uint32_t* q, int64_t pairs, const uint32_t* keys, int64_t half, float* out, int64_t stride) {
+  __m512 lower[R], upper[R];
+  for (int r = 0; r < R; ++r) lower[r] = upper[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512bh k0 = load_bh(keys + 16 * j), k1 = load_bh(keys + 16 * (half + j));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(q[r * pairs + j])));
+      lower[r] = _mm512_dpbf16_ps(lower[r], a, k0);
+      upper[r] = _mm512_dpbf16_ps(upper[r], a, k1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * stride, lower[r]);
+    _mm512_storeu_ps(out + r * stride + 16, upper[r]);
+  }
+}
+
+// Rows [0, R) of O = P V over G of the values' 16-dim groups by VDPBF16PS, across the `width` keys:
+// probs holds each row's bf16 probabilities (`stride` apart), read as key pairs, values the packed
+// values from the first group ([width / 32][groups][16 key pairs][16 dims][2]). Each row's sums take
+// the key pairs in order, whatever the rows beside it.
+template <int R, int G>
+void dot_weigh_rows(const uint32_t* probs, int64_t stride, const uint16_t* values, int64_t width, int64_t groups,
+                    float* out, int64_t out_stride) {
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < width; c += kChunk) {
+    const uint16_t* chunk = values + c * groups * 16;  // 16 key-pair vectors of 32 a group
+    for (int64_t pair = 0; pair < 16; ++pair) {
+      __m512bh v[G];
+      for (int g = 0; g < G; ++g) v[g] = load_bh(chunk + 32 * (g * 16 + pair));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(probs[r * stride + c / 2 + pair])));
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], p, v[g]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + r * out_stride + 16 * g, acc[r][g]);
+  }
+}
+
+constexpr int kDotScoreRows = 8;  // 16 sums + 2 key pair rows + a broadcast of the 32 registers
+constexpr int kDotWeighRows = 6;  // 6 x 4 sums + 4 value vectors + a broadcast
+
+using DotScore = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t);
+using DotWeigh = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t);
+
+template <int... R>
+constexpr std::array<DotScore, sizeof...(R)> dot_scorers(std::integer_sequence<int, R...>) {
+  return {&dot_score_rows<R + 1>...};
+}
+
+template <int G, int... R>
+constexpr std::array<DotWeigh, sizeof...(R)> dot_weighers(std::integer_sequence<int, R...>) {
+  return {&dot_weigh_rows<R + 1, G>...};
+}
+
+}  // namespace
+
+// score() by VDPBF16PS, for a CPU without the tile unit: the same products and sums per score, the
+// rows 8 at a time over each 32-key chunk, which stays in L1 for all of them.
+void PackedAttention::dot_score(const uint32_t* keys, int64_t width, int64_t rows, const int64_t* lo, const int64_t* hi) {
+  static constexpr auto kScore = dot_scorers(std::make_integer_sequence<int, kDotScoreRows>{});
+  const int64_t pairs = s_.chunks * 8;
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(q_.data());
+  __m512 top[kMaxRows];
+  for (int64_t i = 0; i < rows; ++i) top[i] = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < width; c += kChunk) {
+    const uint32_t* chunk = keys + c * pairs;
+    for (int64_t r = 0; r < rows; r += kDotScoreRows) {
+      const int64_t n = std::min<int64_t>(kDotScoreRows, rows - r);
+      kScore[n - 1](q + r * pairs, pairs, chunk, pairs, scores_.data() + r * stride_ + c, stride_);
+    }
+    take_chunk(s_, scores_.data(), stride_, c, rows, lo, hi, top);
+  }
+  for (int64_t i = 0; i < rows; ++i) tops_[i] = _mm512_reduce_max_ps(top[i]);
+}
+
+// weigh() by VDPBF16PS: rows 6 at a time, each pass over the keys taking 64 dims.
+void PackedAttention::dot_weigh(const uint16_t* values, int64_t width, int64_t rows, float* out, int64_t out_stride) {
+  static constexpr auto kFour = dot_weighers<4>(std::make_integer_sequence<int, kDotWeighRows>{});
+  static constexpr auto kTwo = dot_weighers<2>(std::make_integer_sequence<int, kDotWeighRows>{});
+  const int64_t groups = s_.chunks;  // head_dim is a multiple of 32: an even count of 16-dim groups
+  const uint32_t* probs = reinterpret_cast<const uint32_t*>(probs_.data());
+  for (int64_t r = 0; r < rows; r += kDotWeighRows) {
+    const int64_t n = std::min<int64_t>(kDotWeighRows, rows - r);
+    for (int64_t g = 0; g < groups; g += 4) {
+      const auto& weigh_rows = g + 4 <= groups ? kFour : kTwo;
+      weigh_rows[n - 1](probs + r * stride_ / 2, stride_ / 2, values + g * 16 * 32, width, groups,
+                        out + r * out_stride + 16 * g, out_stride);
+    }
+  }
+}
+
 // A decode's scores come from its keys in place, as A tiles of 16 keys by 32 dims (16 keys from a
 // multiple of 16 are 16 rows of one block), against its query heads as B tiles (16 dim pairs by the
 // heads); each 16 x 16 tile of sums is stored and its heads' columns gathered into their rows of
@@ -374,7 +494,7 @@ void AmxAttention::weigh(const uint16_t* values, int64_t width, int64_t rows, fl
 // Sapphire Rapids-class cores 64 decodes over 200 keys took 17.8-18.2 ms per 30 layers this way
 // against 19.9-20.2 on the fp32 path (dot products, an fp32 softmax, weighted sums): both wait on the
 // cache's bytes (from a cache that fits in L3 the two took 0.40 and 0.48 ms a layer).
-void AmxAttention::attend_decode(const at::BFloat16* q, int64_t first_key, int64_t len, const at::BFloat16* keys,
+void PackedAttention::attend_decode(const at::BFloat16* q, int64_t first_key, int64_t len, const at::BFloat16* keys,
                                  const at::BFloat16* values, const int64_t* blocks,
                                  const Upcoming<at::BFloat16>& next, float* out, Normalizer* norms) {
   const int64_t dim = s_.chunks * 16, first = round_down(first_key), width = round_up(len) - first;
@@ -493,7 +613,7 @@ SharedPrefixes attend_shared_prefixes(const Shape& s, const at::BFloat16* q, con
   shared.out.resize(slots * heads * dim);
   shared.norms.resize(slots * heads);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    AmxAttention unit(s, num_kv_heads);
+    PackedAttention unit(s, num_kv_heads);
     for (int64_t t = begin; t < end; ++t) {
       const Task task = tasks[t];
       const Cascade& c = cascades[task.cascade];
