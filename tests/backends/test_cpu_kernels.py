@@ -80,8 +80,8 @@ def test_decodes_match_naive_attention(dtype: torch.dtype, atol: float, heads: i
 def test_bf16_decodes_match_naive_attention(attention_path: str, heads: int, kv_heads: int, head_dim: int,
                                             block_size: int) -> None:
     """bf16 decodes on the tile unit (blocks of a multiple of 16 keys, at most 16 query heads a KV head;
-    the others and the CPUs without tiles on the fp32 path) and off it (the VDPBF16PS path's decodes are
-    the fp32 path's)."""
+    the others on the fp32 path), by VDPBF16PS without tiles (decode_dot.cpp: 1-4 query heads a KV head at
+    head_dim 64, 1-2 at 128; the others on the fp32 path) and in fp32."""
     requests = [(0, 1), (14, 1), (15, 1), (16, 1), (31, 1), (32, 1), (47, 1), (99, 1), (300, 1)]
     _check(random_paged_batch(requests, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim), 2e-2)
 

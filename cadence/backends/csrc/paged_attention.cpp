@@ -19,7 +19,8 @@
 //   first blocks attend to those together there first (attend_shared_prefixes), then each to its own
 //   keys, the two parts merged (cascade attention);
 // - without AMX but with AVX512-BF16, the same tiles and shared prefixes take the same packed steps
-//   by VDPBF16PS (about 2.5x the fp32 path on long prompts), while decodes stay on the fp32 path.
+//   by VDPBF16PS (about 2.5x the fp32 path on long prompts), and decodes of the shapes compiled there
+//   read their keys and values as bf16 pairs (decode_dot.cpp; attend_decode_dot).
 // Built on first use by cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
 
 #include <ATen/Parallel.h>
@@ -44,17 +45,6 @@
 namespace {
 
 using namespace cadence;
-
-// Block i of a task's num_blocks: its share of the next task's keys and values, fetched into L2. Inlined
-// by force: called, it left decodes over a shuffled block table 40% slower (26.5 against 18.4 ms).
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_share(const Upcoming<T>& next, int64_t i, int64_t num_blocks,
-                                                          int64_t block_elems) {
-  for (int64_t nb = i * next.num_blocks / num_blocks; nb < (i + 1) * next.num_blocks / num_blocks; ++nb) {
-    prefetch_block<_MM_HINT_T1>(next.keys + next.blocks[nb] * block_elems, block_elems * sizeof(T));
-    prefetch_block<_MM_HINT_T1>(next.values + next.blocks[nb] * block_elems, block_elems * sizeof(T));
-  }
-}
 
 // Scores of `group` query rows (fp32, pre-scaled, [group][head_dim]) against keys [begin, seq_len).
 // G and C: the group and head_dim / 16 when fixed at compile time (the query vectors then stay in
@@ -278,19 +268,22 @@ std::vector<int64_t> shares_of(const std::vector<Tile>& tiles, const int64_t* le
 // line: full-width loads that straddle two lines cost twice (decode attention ran 25% slower).
 class Scratch {
  public:
-  Scratch(const Shape s, int64_t longest, int64_t tile_rows) {
+  Scratch(const Shape s, int64_t longest, int64_t tile_rows) : pair_stride((longest + 2) / 2 * 2) {
     const int64_t dim = s.chunks * 16, queries = tile_rows * s.group;
-    const int64_t sizes[] = {queries * dim, queries * longest, queries * dim, dim * 16, 16 * dim};
+    const int64_t sizes[] = {queries * dim, queries * longest, queries * dim, dim * 16, 16 * dim,
+                             s.group * pair_stride / 2};
     int64_t total = 0;
     for (const int64_t size : sizes) total += (size + 15) / 16 * 16;
     arena_.reset(static_cast<float*>(std::aligned_alloc(64, total * sizeof(float))));
     TORCH_CHECK(arena_ != nullptr, "paged_attention: out of memory for scratch buffers");
     float* next = arena_.get();
-    float** buffers[] = {&q, &scores, &acc, &keys_t, &values};
-    for (int i = 0; i < 5; ++i) {
+    float* pairs_area = nullptr;
+    float** buffers[] = {&q, &scores, &acc, &keys_t, &values, &pairs_area};
+    for (int i = 0; i < 6; ++i) {
       *buffers[i] = next;
       next += (sizes[i] + 15) / 16 * 16;
     }
+    pairs = reinterpret_cast<uint16_t*>(pairs_area);
   }
 
   float* q;       // [queries][head_dim], pre-scaled
@@ -298,6 +291,8 @@ class Scratch {
   float* acc;     // [queries][head_dim]
   float* keys_t;  // [head_dim][16]: one key chunk, transposed
   float* values;  // [16][head_dim]: one value chunk
+  const int64_t pair_stride;  // even, past the longest context by at least one
+  uint16_t* pairs;  // [group][pair_stride]: a decode's probabilities in bf16 (decode_dot.cpp)
 
  private:
   struct Free {
@@ -337,6 +332,27 @@ void attend_decode(const Shape s, Scratch& w, int64_t begin, int64_t len, const 
   }
   weigh<G, C>(s, w.scores, values, blocks, begin, len, w.acc);
 }
+
+#if defined(__AVX512F__)
+// A bf16 decode by VDPBF16PS (decode_dot.cpp; dot_decodes(s)): its group's scores, their softmax
+// (normalizers to `own`), the probabilities rounded to bf16 with a zero after each row, and the
+// weighted values into w.acc.
+void attend_decode_dot(const Shape s, Scratch& w, const at::BFloat16* q, int64_t begin, int64_t len,
+                       const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks,
+                       const Upcoming<at::BFloat16>& next, Normalizer* own) {
+  dot_decode_scores(s, q, begin, len, keys, blocks, next, w.scores);
+  const int64_t n = len - begin;
+  for (int64_t g = 0; g < s.group; ++g) {
+    float* row = w.scores + g * len + begin;
+    if (s.soft_cap > 0) soft_cap(row, n, s.soft_cap);
+    own[g] = softmax(row, n);
+    auto* probs = reinterpret_cast<at::BFloat16*>(w.pairs + g * w.pair_stride);
+    for (int64_t k = 0; k < n; k += 16) store16(probs + k, load16(row + k, tail_mask(n - k)), tail_mask(n - k));
+    w.pairs[g * w.pair_stride + n] = 0;
+  }
+  dot_decode_weigh(s, w.pairs, w.pair_stride, begin, len, values, blocks, w.acc);
+}
+#endif
 
 // attend_decode with the group and head_dim fixed at compile time where the group's query vectors and
 // sums fit the 32 vector registers beside a key (AVX-512: 1-4 query heads per KV head at head_dim 64,
@@ -445,6 +461,9 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
   // has those (attention_packed.cpp: packed), and decodes to the tile unit.
   const bool packable = std::is_same_v<T, at::BFloat16> && dim % 32 == 0;
   const bool amx = packable && use_amx(), packed = amx || (packable && use_bf16_dot());
+#if defined(__AVX512F__)
+  const bool dot = packable && dot_decodes(s);  // decodes by VDPBF16PS (decode_dot.cpp)
+#endif
   const int64_t tile_rows = packed ? PackedAttention::kMaxRows : kTileRows;
   const std::vector<Tile> tiles = tiles_of(requests, lens, num_rows, tile_rows);
   SharedPrefixes shared;  // and decodes that share their first keys attend to those together first
@@ -500,6 +519,15 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
           } else {
             unit->attend(q_tile, tile.count, len, requests[tile.first], head, keys, values, blocks, w.acc);
           }
+          on_tiles = true;
+        }
+      }
+#endif
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (!on_tiles && tile.count == 1 && dot) {
+          attend_decode_dot(s, w, q_ptr + tile.first * s.q_stride + head * s.group * dim, first_key(tile.first), len,
+                            keys, values, blocks, upcoming(task), own.data());
           on_tiles = true;
         }
       }
