@@ -17,7 +17,8 @@
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
 - prefill attention: one 2,048-token prompt (and a 512-token chunk after 1,536 cached tokens), one
   layer, on each bf16 path the CPU has (packed keys on AMX tiles or by VDPBF16PS, and fp32), against
-  torch's causal SDPA over the same keys gathered into contiguous tensors.
+  torch's causal SDPA over the same keys gathered into contiguous tensors; and goal 6's burst, 32
+  prompts' 64 new rows over 1,088 keys, the first 1,024 shared, on each path.
 - decodes over a shared prefix: 32 decodes over 1,150 keys each, 30 layers, the first 1,024 keys in
   blocks all 32 share (a system prompt in the prefix cache: cascade attention over packed keys where
   the CPU has AMX or AVX512-BF16, each path the CPU has) or in blocks of their own.
@@ -213,6 +214,25 @@ def bench_prefill_attention(ops: Any, repeats: int) -> None:
                   f"torch SDPA {theirs:.2f} ms  {theirs / ours:.2f}x")
 
 
+def bench_shared_prefix_prefill(ops: Any, repeats: int) -> None:
+    """Goal 6's burst: 32 prompts' 64 new rows each over 1,088 keys, the first 1,024 in shared blocks."""
+    kv_heads, group, head_dim, block_size, requests, new, prefix = 3, 3, 64, 16, 32, 64, 1024
+    own, shared = new // block_size, prefix // block_size
+    generator = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(kv_heads, shared + requests * own, block_size, head_dim, generator=generator,
+                        dtype=torch.bfloat16) for _ in "kv")
+    table = torch.cat([torch.arange(shared).expand(requests, -1),
+                       shared + torch.arange(requests * own).view(requests, own)], dim=1)
+    q = torch.randn(requests * new, kv_heads * group, head_dim, generator=generator, dtype=torch.bfloat16)
+    out, rows = torch.empty_like(q), torch.arange(requests).repeat_interleave(new)
+    seq_lens = torch.arange(prefix + 1, prefix + new + 1).repeat(requests)
+    for path in attention_paths(ops):
+        ms = median_ms(lambda: ops.paged_attention(out, q, k, v, table, rows, seq_lens, head_dim ** -0.5, 0, 0.0),
+                       repeats)
+        print(f"  prefill attention, {requests} x {new} rows over {prefix + new} keys, the first {prefix} shared: "
+              f"cadence {path} {ms:.2f} ms")
+
+
 def bench_shared_prefix_decodes(ops: Any, repeats: int) -> None:
     kv_heads, group, head_dim, block_size, requests, context, prefix = 3, 3, 64, 16, 32, 1150, 1024
     per_request = -(-context // block_size)
@@ -257,6 +277,7 @@ def main() -> None:
     bench_layer_ops(ops, ns.repeats)
     bench_attention(ops, ns.repeats)
     bench_prefill_attention(ops, ns.repeats)
+    bench_shared_prefix_prefill(ops, ns.repeats)
     bench_shared_prefix_decodes(ops, ns.repeats)
 
 
