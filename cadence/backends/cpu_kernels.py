@@ -147,6 +147,16 @@ def avx2_ops() -> Any | None:
     return ops if ops.quant_linear_supported() else None
 
 
+def build_for(device: torch.device, dtype: torch.dtype) -> str:
+    """The build of the kernels an engine on ``device`` in ``dtype`` runs on this CPU (its
+    :func:`build_key`), or "none" where it runs torch's ops: what a step time measured here depends on
+    besides the model and threads. Read from the sources; nothing is built."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES or capability not in ("AVX512", "AVX2"):
+        return "none"
+    return build_key(library=_main() if capability == "AVX512" else _main_over_avx2())
+
+
 def attention_takes_prefills() -> bool:
     """Whether the paged-attention kernel also takes steps with prefill rows: on AVX-512. Over SIMDe it
     ran prefills 4-8x slower than torch's SDPA, decodes as fast or faster (docs/performance.md)."""

@@ -1,5 +1,5 @@
 """What an engine's step times were measured on: the model and its weights, the attention backend,
-the threads and the machine. A calibrated cost model keeps it as its metadata
+the C++ kernels' build, the threads and the machine. A calibrated cost model keeps it as its metadata
 (``sim/calibrate.py``), and a scheduling trace opens with it (``core/scheduling_trace.py``), so a
 fit from either says where it holds.
 """
@@ -10,6 +10,7 @@ import os
 import platform
 from typing import TYPE_CHECKING, Any
 
+from cadence.backends.cpu_kernels import build_for
 from cadence.config import EngineConfig, threads_per_rank
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ def engine_description(config: EngineConfig, hf_config: PretrainedConfig, execut
         "speculative": None if config.speculative is None else config.speculative.method,
         # Step shapes are counted with it (kernel_rows); the simulator counts its steps' the same way.
         "kernel_row_limit": executor.kernel_row_limit,
+        # The C++ kernels' build: a fit of older kernels prices steps that now run otherwise.
+        "kernels": build_for(config.device.torch_device, config.model.torch_dtype),
     }
 
 

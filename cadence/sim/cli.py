@@ -220,7 +220,8 @@ def _fit_traces(paths: list[str]) -> CostModel:
           f"p90 {100 * quality.p90_rel_error:.1f}%, total time ratio {quality.total_time_ratio:.3f}", file=sys.stderr)
     meta = model.metadata
     if not meta.get("simulated"):
-        key = FitKey(str(meta["model"]), str(meta["dtype"]), str(meta["quantization"]), int(meta["threads"]))
+        key = FitKey(str(meta["model"]), str(meta["dtype"]), str(meta["quantization"]), int(meta["threads"]),
+                     str(meta.get("kernels", "none")))  # traces written before the kernels' build was kept
         print(f"stored as this machine's fit for {key.describe()}: {store_fit(model, key)}", file=sys.stderr)
     return model
 

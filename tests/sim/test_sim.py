@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
+from cadence.backends.cpu_kernels import build_for
 from cadence.config import default_threads
 from cadence.core.cost_model import step_shape
 from cadence.core.scheduler import Scheduler
@@ -25,6 +27,7 @@ from cadence.sim import (
     EngineLimits,
     RequestSpec,
     StepShape,
+    cost_store,
     fit_cost_model,
     run_loop,
     simulate,
@@ -348,10 +351,11 @@ def test_calibrate_verb_writes_a_cost_model_the_simulator_loads(
     assert model.metadata["dtype"] == "float32" and model.metadata["fit"]["num_samples"] > 20
     assert model.step_time(StepShape(num_seqs=1, decode_seqs=1, sampled=1)) > 0
     assert "step_time_s = " in capsys.readouterr().out
-    # Also stored as this machine's fit for the model, dtype, quantization and threads.
+    # Also stored as this machine's fit for the model, dtype, quantization, threads and kernels' build.
     (stored,) = (tmp_path / "fits").iterdir()
-    assert stored.name == f"{Path(folder).name}-float32-none-{default_threads()}t.json"
-    assert stored == FitKey(Path(folder).name, "float32", "none", default_threads()).path
+    kernels = build_for(torch.device("cpu"), torch.float32)
+    assert stored.name == f"{Path(folder).name}-float32-none-{default_threads()}t-{kernels}.json"
+    assert stored == FitKey(Path(folder).name, "float32", "none", default_threads(), kernels).path
     assert CostModel.load(stored) == model
 
 
@@ -368,7 +372,7 @@ def test_any_family_and_quantization_calibrates_into_its_own_fit(
                             "--num-kv-blocks", "512", "--quick"])
     assert ns.run(ns) == 0
     (stored,) = tmp_path.iterdir()
-    assert stored.name == f"{folder.name}-{key}.json"
+    assert stored.name.startswith(f"{folder.name}-{key}-") and stored.suffix == ".json"
     model = CostModel.load(stored)
     assert model.metadata["quantization"] == key.split("-")[1] and model.metadata["fit"]["num_samples"] > 20
 
@@ -390,9 +394,15 @@ def test_simulate_uses_the_stored_fit_calibrates_first_without_one_and_names_the
     first, log = simulate_verb("--quick-calibration")
     assert "calibrating first" in log
     (stored,) = (tmp_path / "fits").iterdir()
-    assert stored.name.endswith("-float32-none-1t.json") and CostModel.load(stored).to_json() == first
+    assert f"-float32-none-1t-{build_for(torch.device('cpu'), torch.float32)}." in stored.name
+    assert CostModel.load(stored).to_json() == first
     assert first["metadata"]["threads"] == 1 and first["metadata"]["fit"]["num_samples"] > 20
     again, log = simulate_verb()
     assert "calibrating" not in log and "this machine's fit" in log and again == first
     builtin, log = simulate_verb("--cost-model", "builtin")
     assert "fallback" in log and builtin == CostModel.default().to_json()
+    # Other kernels (as after an upgrade) run the steps otherwise: this machine's fit for them is made afresh.
+    monkeypatch.setattr(cost_store, "build_for", lambda device, dtype: "rebuilt")
+    _, log = simulate_verb("--quick-calibration")
+    assert "calibrating first" in log and "kernels rebuilt" in log
+    assert sorted(path.name.endswith("-rebuilt.json") for path in (tmp_path / "fits").iterdir()) == [False, True]

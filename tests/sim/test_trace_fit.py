@@ -104,6 +104,7 @@ def test_the_engine_s_trace_rebuilds_the_steps_its_executor_ran(
     # A real engine's fit is stored as this machine's for the engine the trace describes.
     monkeypatch.setenv("CADENCE_COST_MODELS_DIR", str(tmp_path / "fits"))
     assert main(["simulate", "calibrate", "--from-trace", str(trace)]) == 0
-    key = FitKey(description["model"], "float32", "none", description["threads"])  # the threads it ran with
+    key = FitKey(description["model"], "float32", "none", description["threads"],  # the threads it ran with
+                 description["kernels"])
     stored = CostModel.load(key.path)
     assert stored.metadata["source"] == "scheduling trace" and stored.metadata["fit"]["num_samples"] > 0
