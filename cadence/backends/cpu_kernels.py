@@ -14,10 +14,9 @@ flags, the torch version and the Python ABI: checkouts with the same sources sha
 different sources never overwrite each other's. The sources are compiled from a copy in the
 folder's ``src/``, so the build file names the same paths whichever checkout wrote it. Later
 processes load it in about 0.1 s, silently.
-Processes take turns in a folder under an advisory lock (``cadence.lock``, which the OS frees when
-its holder dies), waiting at most ``$CADENCE_KERNEL_LOCK_TIMEOUT_S`` (default 300 s) for another
-one's build, and saying so; holding it, a torch ``lock`` file there was left by a killed build, on
-which torch would wait forever: it is removed, with a warning.
+Processes take turns in a folder under an advisory lock (``build_lock.py``: waiting at most
+``$CADENCE_KERNEL_LOCK_TIMEOUT_S`` for another one's build, and clearing a torch ``lock`` file a
+killed build left).
 With AVX2 but not AVX-512 the same sources build over SIMDe (``csrc/vec.h``), where the VNNI and
 BF16 GEMMs say they do not run; ``quant_linear_avx2.cpp``, equal to ``quant_linear.cpp`` bit for bit,
 and ``bf16_linear_avx2.cpp``, the bf16 GEMM of CPUs without AVX512-BF16, are a library of their own
@@ -28,7 +27,6 @@ torch-op path, after one warning that says why.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -40,21 +38,16 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType, TracebackType
-from typing import IO, Any, TextIO
+from types import TracebackType
+from typing import Any, TextIO
 
 import torch
 
+from cadence.backends.build_lock import UNFORESEEN_BUILD_S, build_lock
 from cadence.config import cache_dir, usable_cores
 from cadence.startup_log import startup
-
-fcntl: ModuleType | None
-try:
-    import fcntl
-except ImportError:  # not POSIX: the torch lock's age alone tells a killed build
-    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +69,6 @@ _AVX2_MAIN_BUILD_CPU_S = 350.0
 _AVX2_MAIN_SLOWEST_S = 60.0
 # Part of the build key: bump it when the build folder's layout or its locking changes.
 _LAYOUT = 1
-# The longest wait for another process's build (a build takes about 50 s on 2 cores, 90 s on one),
-# and the age beyond which a torch lock file is a killed build's.
-_LOCK_TIMEOUT_ENV = "CADENCE_KERNEL_LOCK_TIMEOUT_S"
-_LOCK_TIMEOUT_S = 300.0
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # The build's cost, measured on a 2-core AVX-512 machine: 74-85 CPU-seconds in all (41 s of wall time
 # with quant_linear.cpp's templates among them), the large sources about 15-25 s each (mostly torch's
@@ -90,9 +79,7 @@ _BUILD_CPU_S = 110.0
 _SLOWEST_SOURCE_S = 25.0
 # A build not foreseen (flags or torch changed, another process building) is announced once it has
 # taken this long; a cached load takes about 0.1 s.
-_UNFORESEEN_BUILD_S = 2.0
 _POLL_S = 0.5
-_LOCK_POLL_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +158,7 @@ def _load(library: _Library) -> bool:
         sources = _kernel_sources()
         key = build_key(sources, library)
         build_dir = _build_directory(key, library)
-        with _build_lock(build_dir):
+        with build_lock(build_dir):
             src = _stage_sources(build_dir, sources)
             with _BuildProgress(build_dir, key, library):
                 load(_module_name(key, library), sources=[str(src / name) for name in library.sources],
@@ -236,99 +223,6 @@ def _stage_sources(build_dir: Path, sources: Mapping[str, bytes]) -> Path:
     return src
 
 
-def _lock_timeout_s() -> float:
-    """``$CADENCE_KERNEL_LOCK_TIMEOUT_S``, or 300 s."""
-    raw = os.environ.get(_LOCK_TIMEOUT_ENV, "").strip()
-    try:
-        return max(0.0, float(raw)) if raw else _LOCK_TIMEOUT_S
-    except ValueError:
-        logger.warning("%s=%r is not a number of seconds; waiting at most %d s for a kernel build lock",
-                       _LOCK_TIMEOUT_ENV, raw, _LOCK_TIMEOUT_S)
-        return _LOCK_TIMEOUT_S
-
-
-@contextlib.contextmanager
-def _build_lock(build_dir: Path) -> Iterator[None]:
-    """Holds ``build_dir/cadence.lock`` while torch builds and loads the kernels there, waiting at most
-    the bound for a process that holds it; then clears a torch ``lock`` file no process holds."""
-    build_dir.mkdir(parents=True, exist_ok=True)
-    bound = _lock_timeout_s()
-    with open(build_dir / "cadence.lock", "a+") as handle:
-        held = _acquire(handle, build_dir, bound)
-        try:
-            _clear_torch_lock(build_dir / "lock", bound, held)
-            yield
-        finally:
-            if held and fcntl is not None:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _acquire(handle: IO[str], build_dir: Path, bound: float) -> bool:
-    """Takes ``handle``'s advisory lock (the OS frees it when its holder dies), waiting at most
-    ``bound`` for the process holding it; False where there is none to take or it was not freed."""
-    if fcntl is None:
-        return False
-    start = time.monotonic()
-    said = False
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            pass
-        except OSError as exc:  # no advisory locks on this file system: the torch lock's age decides
-            logger.info("cannot lock %s (%s)", handle.name, exc)
-            return False
-        waited = time.monotonic() - start
-        holder = _holder(handle)
-        if waited >= bound:
-            logger.warning("process %s has been building the CPU kernels in %s for over %d s (%s=%g); "
-                           "building alongside it", holder, build_dir, bound, _LOCK_TIMEOUT_ENV, bound)
-            return False
-        if not said and waited >= _UNFORESEEN_BUILD_S:
-            said = True
-            startup.info("waiting for process %s, which is building the CPU kernels in %s (at most %d s) ...",
-                         holder, build_dir, bound)
-        time.sleep(_LOCK_POLL_S)
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return True
-
-
-def _holder(handle: IO[str]) -> str:
-    """The process id the lock's holder wrote, or "?"."""
-    handle.seek(0)
-    return handle.read().strip() or "?"
-
-
-def _clear_torch_lock(lock: Path, bound: float, held: bool) -> None:
-    """Removes a torch ``lock`` file that would make ``load`` wait forever: at once while we hold
-    ``cadence.lock`` (every build here runs under it, so the file outlived a killed one), otherwise
-    once it is ``bound`` old, waiting for it to go until then."""
-    try:
-        created = lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if held:
-        why = "no process holds cadence.lock, under which every build runs, so a killed build left it"
-    else:
-        deadline = min(time.time(), created) + bound
-        if time.time() < deadline:
-            startup.info("waiting for the CPU kernel build that holds %s (at most %d s more) ...", lock,
-                         deadline - time.time())
-        while time.time() < deadline:
-            if not lock.exists():
-                return
-            time.sleep(_LOCK_POLL_S)
-        why = (f"still there {time.time() - created:.0f} s after it was made, longer than any build "
-               f"({_LOCK_TIMEOUT_ENV}={bound:g})")
-    with contextlib.suppress(FileNotFoundError):
-        lock.unlink()
-        logger.warning("removed the stale kernel build lock %s: %s", lock, why)
-
-
 def _needs_build(build_dir: Path, key: str, library: _Library) -> bool:
     """Whether ``load`` will compile: no library yet, or one older than a staged source or header."""
     built_file = build_dir / f"{_module_name(key, library)}.so"
@@ -355,12 +249,12 @@ def _terminal() -> TextIO | None:
 class _BuildProgress:
     """Around ``load``: a line before and after a build, and on a terminal a bar of the object files
     written (compiles then the link), with the elapsed time; nothing for a cached load. A build
-    foreseen (:func:`_needs_build`) is announced at once, any other after ``_UNFORESEEN_BUILD_S``."""
+    foreseen (:func:`_needs_build`) is announced at once, any other after ``UNFORESEEN_BUILD_S``."""
 
     def __init__(self, build_dir: Path, key: str, library: _Library) -> None:
         self._dir = build_dir
         self._library = library
-        self._delay = 0.0 if _needs_build(build_dir, key, library) else _UNFORESEEN_BUILD_S
+        self._delay = 0.0 if _needs_build(build_dir, key, library) else UNFORESEEN_BUILD_S
         self._done = threading.Event()
         self._announced = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="cadence-kernel-build", daemon=True)

@@ -42,6 +42,17 @@ def find_preloads(vllm_python: str) -> list[str]:
     return found
 
 
+def preloads_or_exit(vllm_python: str, ld_preload: str | None) -> list[str]:
+    """For a command line: ``--ld-preload``'s libraries (colon-separated) where given, else those
+    :func:`find_preloads` finds; exits saying which is missing, how to install it, and the flag."""
+    if ld_preload:
+        return ld_preload.split(":")
+    try:
+        return find_preloads(vllm_python)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"{exc} (--ld-preload)") from None
+
+
 def vllm_env(preloads: list[str], kvcache_space: str = VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"]) -> dict[str, str]:
     """The environment vLLM-CPU runs in: this one, its tuning, and ``preloads`` in ``LD_PRELOAD``."""
     return {**os.environ, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": kvcache_space, "LD_PRELOAD": ":".join(preloads)}

@@ -20,7 +20,7 @@ from typing import IO, Any
 import pytest
 import torch
 
-from cadence.backends import cpu_kernels
+from cadence.backends import build_lock, cpu_kernels
 from cadence.startup_log import startup
 
 fcntl = pytest.importorskip("fcntl")
@@ -84,7 +84,7 @@ def loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Load]:
         (out / f"{name}.so").write_bytes(b"")
 
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(cpu_kernels._LOCK_TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv(build_lock.LOCK_TIMEOUT_ENV, raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(cpp_extension, "load", load)
     return calls
@@ -111,7 +111,7 @@ def test_two_installs_with_the_same_sources_share_one_folder(loads: list[Load], 
 
 
 class FakeClock:
-    """``time`` for cpu_kernels: starts at the real time, and moves only when slept on, after which
+    """``time`` for cpu_kernels and build_lock: starts at the real time, and moves only when slept on, after which
     it runs ``on_sleep(now - start)``."""
 
     def __init__(self, on_sleep: Callable[[float], None] = lambda waited: None) -> None:
@@ -176,6 +176,7 @@ def test_a_lock_no_process_holds_is_removed_with_a_warning(age_s: float, build_d
     os.utime(lock, (time.time() - age_s, time.time() - age_s))
     clock = FakeClock()
     monkeypatch.setattr(cpu_kernels, "time", clock)
+    monkeypatch.setattr(build_lock, "time", clock)
 
     assert cpu_kernels.cpu_ops.__wrapped__() is not None
     assert [(load.build_directory, load.lock_there) for load in loads] == [(build_dir, False)]
@@ -195,6 +196,7 @@ def test_a_build_in_another_process_is_waited_for_and_then_used(build_dir: Path,
 
     clock = FakeClock(on_sleep)
     monkeypatch.setattr(cpu_kernels, "time", clock)
+    monkeypatch.setattr(build_lock, "time", clock)
     assert cpu_kernels.cpu_ops.__wrapped__() is not None
     assert [load.lock_there for load in loads] == [False] and 10 <= clock.now - clock.start < 11
     assert said() == [f"INFO: waiting for process 4242, which is building the CPU kernels in {build_dir} "
@@ -206,15 +208,16 @@ def test_a_build_in_another_process_is_waited_for_and_then_used(build_dir: Path,
 def test_a_build_that_outlasts_the_bound_is_not_waited_for_longer(build_dir: Path, other_builder: IO[str],
                                                                   loads: list[Load], said: Callable[[], list[str]],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_kernels._LOCK_TIMEOUT_ENV, "30")
+    monkeypatch.setenv(build_lock.LOCK_TIMEOUT_ENV, "30")
     clock = FakeClock()
     monkeypatch.setattr(cpu_kernels, "time", clock)
+    monkeypatch.setattr(build_lock, "time", clock)
     assert cpu_kernels.cpu_ops.__wrapped__() is not None
     assert [load.lock_there for load in loads] == [False] and 30 <= clock.now - clock.start < 31
     lines = said()
     assert lines[0].startswith("INFO: waiting for process 4242")
     assert lines[1] == (f"WARNING: process 4242 has been building the CPU kernels in {build_dir} for over 30 s "
-                        f"({cpu_kernels._LOCK_TIMEOUT_ENV}=30); building alongside it")
+                        f"({build_lock.LOCK_TIMEOUT_ENV}=30); building alongside it")
     assert lines[2].startswith(f"WARNING: removed the stale kernel build lock {build_dir / 'lock'}: still there ")
 
 
@@ -225,7 +228,8 @@ def test_without_advisory_locks_a_lock_is_waited_for_until_it_goes(build_dir: Pa
     lock.touch()
     clock = FakeClock(lambda waited: lock.unlink() if waited >= 20 and lock.exists() else None)
     monkeypatch.setattr(cpu_kernels, "time", clock)
-    monkeypatch.setattr(cpu_kernels, "fcntl", None)
+    monkeypatch.setattr(build_lock, "time", clock)
+    monkeypatch.setattr(build_lock, "fcntl", None)
     assert cpu_kernels.cpu_ops.__wrapped__() is not None
     assert [load.lock_there for load in loads] == [False] and 20 <= clock.now - clock.start < 21
     lines = said()
@@ -240,20 +244,21 @@ def test_without_advisory_locks_a_lock_older_than_the_bound_is_removed(build_dir
     os.utime(lock, (time.time() - 301, time.time() - 301))
     clock = FakeClock()
     monkeypatch.setattr(cpu_kernels, "time", clock)
-    monkeypatch.setattr(cpu_kernels, "fcntl", None)
+    monkeypatch.setattr(build_lock, "time", clock)
+    monkeypatch.setattr(build_lock, "fcntl", None)
     assert cpu_kernels.cpu_ops.__wrapped__() is not None
     assert [load.lock_there for load in loads] == [False] and clock.sleeps == 0
     assert said() == [f"WARNING: removed the stale kernel build lock {lock}: still there 301 s after it was "
-                      f"made, longer than any build ({cpu_kernels._LOCK_TIMEOUT_ENV}=300)"]
+                      f"made, longer than any build ({build_lock.LOCK_TIMEOUT_ENV}=300)"]
 
 
 def test_the_bound_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch,
                                                 said: Callable[[], list[str]]) -> None:
-    monkeypatch.setenv(cpu_kernels._LOCK_TIMEOUT_ENV, "12.5")
-    assert cpu_kernels._lock_timeout_s() == 12.5
-    monkeypatch.setenv(cpu_kernels._LOCK_TIMEOUT_ENV, "soon")
-    assert cpu_kernels._lock_timeout_s() == cpu_kernels._LOCK_TIMEOUT_S
-    assert said() == [f"WARNING: {cpu_kernels._LOCK_TIMEOUT_ENV}='soon' is not a number of seconds; "
+    monkeypatch.setenv(build_lock.LOCK_TIMEOUT_ENV, "12.5")
+    assert build_lock.lock_timeout_s() == 12.5
+    monkeypatch.setenv(build_lock.LOCK_TIMEOUT_ENV, "soon")
+    assert build_lock.lock_timeout_s() == build_lock.LOCK_TIMEOUT_S
+    assert said() == [f"WARNING: {build_lock.LOCK_TIMEOUT_ENV}='soon' is not a number of seconds; "
                       "waiting at most 300 s for a kernel build lock"]
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from cadence.api.testing import HTTPServerProcess
 from cadence.bench import peers
-from cadence.bench.peers import VLLM_ENV, find_preloads, llama_server_peer, vllm_peer
+from cadence.bench.peers import VLLM_ENV, find_preloads, llama_server_peer, preloads_or_exit, vllm_peer
 
 _LOADING_S = 0.5
 
@@ -115,3 +115,8 @@ def test_a_missing_preload_says_how_to_install_it(tmp_path: Path, monkeypatch: p
     (lib / "libiomp5.so").touch()
     with pytest.raises(FileNotFoundError, match=r"libtcmalloc_minimal\.so\.4.*apt-get install libtcmalloc-minimal4"):
         find_preloads(str(tmp_path / "venv" / "bin" / "python"))
+    # A command line exits with the same words and the flag that gives them instead.
+    with pytest.raises(SystemExit, match=r"apt-get install libtcmalloc-minimal4.*\(--ld-preload\)"):
+        preloads_or_exit(str(tmp_path / "venv" / "bin" / "python"), None)
+    assert preloads_or_exit("nowhere/bin/python", "/a/libtcmalloc.so.4:/b/libiomp5.so") == [
+        "/a/libtcmalloc.so.4", "/b/libiomp5.so"]
