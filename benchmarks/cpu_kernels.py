@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from cadence.backends import dense_gemm
-from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.cpu_kernels import attention_path, cpu_ops
 from cadence.executor.malloc_tuning import keep_freed_memory
 
 LAYERS = 30
@@ -182,14 +182,11 @@ def bench_attention(ops: Any, repeats: int) -> None:
 
 def attention_paths(ops: Any) -> Iterator[str]:
     """Paged attention's bf16 paths this CPU has, each switched on in turn: "AMX" (packed keys on the
-    tile unit), "VDPBF16PS" (packed keys without it), "fp32"; the default again after the last."""
-    try:
-        for name, amx, dot in (("AMX", True, False), ("VDPBF16PS", False, True), ("fp32", False, False)):
-            if ops.use_amx(amx) == amx and ops.use_bf16_dot(dot) == dot:
-                yield name
-    finally:
-        ops.use_amx(True)
-        ops.use_bf16_dot(True)
+    tile unit), "VDPBF16PS" (packed keys without it), "fp32"; the default again after each."""
+    for name, label in (("amx", "AMX"), ("bf16_dot", "VDPBF16PS"), ("fp32", "fp32")):
+        with attention_path(ops, name) as available:
+            if available:
+                yield label
 
 
 def bench_prefill_attention(ops: Any, repeats: int) -> None:

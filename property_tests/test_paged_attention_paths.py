@@ -12,12 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.cpu_kernels import ATTENTION_PATHS, attention_path, cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend
 from cadence.backends.testing import naive_reference, random_paged_batch, run_backend
 
-# The switches (use_amx, use_bf16_dot) that select each path.
-PATHS = {"amx": (True, False), "bf16_dot": (False, True), "fp32": (False, False)}
 # (heads, KV heads, head_dim): SmolLM2's, groups of 1 and 2 at 64 and 128 (compiled decodes), a group
 # of 5, head_dim 256 and 32 (read from the shape).
 SHAPES = [(9, 3, 64), (4, 4, 64), (4, 2, 128), (10, 2, 64), (4, 1, 256), (6, 2, 32)]
@@ -26,7 +24,7 @@ SHAPES = [(9, 3, 64), (4, 4, 64), (4, 2, 128), (10, 2, 64), (4, 1, 256), (6, 2, 
 REQUESTS = st.lists(st.tuples(st.integers(0, 200), st.one_of(st.just(1), st.integers(2, 40))), min_size=1, max_size=6)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @settings(max_examples=20, deadline=None)
 @given(requests=REQUESTS, shape=st.sampled_from(SHAPES), block_size=st.sampled_from([5, 16, 32]),
        window=st.sampled_from([None, 7, 40]), cap=st.sampled_from([None, 0.5]), seed=st.integers(0, 2**16))
@@ -36,9 +34,8 @@ def test_every_bf16_path_gives_the_definition(path: str, requests: list[tuple[in
     ops = cpu_ops()
     if ops is None:
         pytest.skip("cadence's CPU kernels do not build here")
-    amx, dot = PATHS[path]
-    try:
-        if ops.use_amx(amx) != amx or ops.use_bf16_dot(dot) != dot:
+    with attention_path(ops, path) as available:
+        if not available:
             pytest.skip(f"this CPU has no {path} path")
         heads, kv_heads, head_dim = shape
         batch = random_paged_batch(requests, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=seed)
@@ -46,6 +43,3 @@ def test_every_bf16_path_gives_the_definition(path: str, requests: list[tuple[in
         out, _, _ = run_backend(backend, batch)
         expected = naive_reference(batch, head_dim ** -0.5, window, cap)
         torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
-    finally:
-        ops.use_amx(True)
-        ops.use_bf16_dot(True)

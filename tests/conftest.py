@@ -100,19 +100,16 @@ def attention_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Paged attention's path for bf16 prefill tiles the test asks for (``indirect`` parameter): "amx"
     (the tile unit, decodes too), "bf16_dot" (VDPBF16PS where the CPU has no tile unit) or "fp32", for
     the test's length; skips where the CPU has no such path."""
-    from cadence.backends.cpu_kernels import cpu_ops
+    from cadence.backends import cpu_kernels
 
-    ops = cpu_ops()
+    ops = cpu_kernels.cpu_ops()
     path: str = request.param
-    amx, dot = path == "amx", path == "bf16_dot"
-    if ops is None or ops.use_amx(amx) != amx or ops.use_bf16_dot(dot) != dot:
-        if ops is not None:
-            ops.use_amx(True)
-            ops.use_bf16_dot(True)
-        pytest.skip(f"this CPU has no {path} path" if ops is not None else "cadence's CPU kernels do not build here")
-    yield path
-    ops.use_amx(True)
-    ops.use_bf16_dot(True)
+    if ops is None:
+        pytest.skip("cadence's CPU kernels do not build here")
+    with cpu_kernels.attention_path(ops, path) as available:
+        if not available:
+            pytest.skip(f"this CPU has no {path} path")
+        yield path
 
 
 @pytest.fixture

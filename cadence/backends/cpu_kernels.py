@@ -27,6 +27,7 @@ torch-op path, after one warning that says why.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -38,7 +39,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
@@ -142,6 +143,24 @@ def build_for(device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cpu" or dtype not in KERNEL_DTYPES or capability not in ("AVX512", "AVX2"):
         return "none"
     return build_key(library=_main() if capability == "AVX512" else _main_over_avx2())
+
+
+# Paged attention's bf16 paths, by the switches (use_amx, use_bf16_dot) that select them: packed keys
+# on the tile unit, packed keys by VDPBF16PS (decodes reading bf16 pairs), and the fp32 path.
+ATTENTION_PATHS = {"amx": (True, False), "bf16_dot": (False, True), "fp32": (False, False)}
+
+
+@contextlib.contextmanager
+def attention_path(ops: Any, name: str) -> Iterator[bool]:
+    """Paged attention's bf16 path ``name`` (:data:`ATTENTION_PATHS`) switched on in ``ops`` for the block:
+    True, or False where this CPU has no such path; every path the CPU has on again after (tests and
+    benchmarks compare them in one process)."""
+    amx, dot = ATTENTION_PATHS[name]
+    try:
+        yield ops.use_amx(amx) == amx and ops.use_bf16_dot(dot) == dot
+    finally:
+        ops.use_amx(True)
+        ops.use_bf16_dot(True)
 
 
 def attention_takes_prefills() -> bool:

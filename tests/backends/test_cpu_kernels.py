@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from cadence.backends import cpu_kernels, sdpa_backend
-from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.cpu_kernels import ATTENTION_PATHS, cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend
 from cadence.backends.testing import PagedBatch, random_paged_batch, run_backend
 
 CPU = torch.device("cpu")
 # Paged attention's bf16 paths (the attention_path fixture): prefill tiles over packed keys on the tile unit
 # or by VDPBF16PS, or in fp32.
-PATHS = ["amx", "bf16_dot", "fp32"]
+PATHS = list(ATTENTION_PATHS)
 # Where the CPU has AVX-512 or AVX2 the kernels must build, so a broken build fails here rather than skipping.
 pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"),
                                 reason="cadence's CPU kernels need AVX-512 or AVX2")

@@ -62,11 +62,6 @@ int64_t round_down(int64_t n) { return n / kChunk * kChunk; }
 
 int64_t round_up(int64_t n) { return (n + kChunk - 1) / kChunk * kChunk; }
 
-const uint16_t* key_row(const at::BFloat16* cache, const int64_t* blocks, int64_t key, const Shape& s) {
-  const int64_t dim = s.chunks * 16;
-  return reinterpret_cast<const uint16_t*>(cache + (blocks[key / s.block_size] * s.block_size + key % s.block_size) * dim);
-}
-
 // 2^t for t <= 0, to about 4e-5 relative: 2^f, f = t - round(t) in [-0.5, 0.5], by its Taylor
 // polynomial of degree 4, scaled by 2^round(t). Its results are rounded to bf16 (2^-9) before use, so
 // exp16's precision would be spent for nothing, and the exponentials were half of a prefill tile's time.
@@ -380,9 +375,6 @@ void PackedAttention::weigh(const uint16_t* values, int64_t width, int64_t rows,
 
 namespace {
 
-// 32 bf16 (16 pairs) from anywhere: the packed operands' vectors need not start on a 64-byte line.
-__m512bh load_bh(const void* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
-
 // Rows [0, R) of a tile's scores over one 32-key chunk by VDPBF16PS: q holds each row's dim pairs
 // (`pairs` apart), keys the chunk's two packed 16-key halves ([pairs][16] each, `half` apart). A row's
 // 16 sums of a half are its pairs broadcast against the half's pair rows, in the pairs' order, as the
@@ -392,10 +384,10 @@ void dot_score_rows(const uint32_t* q, int64_t pairs, const uint32_t* keys, int6
   __m512 lower[R], upper[R];
   for (int r = 0; r < R; ++r) lower[r] = upper[r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < pairs; ++j) {
-    const __m512bh k0 = load_bh(keys + 16 * j), k1 = load_bh(keys + 16 * (half + j));
+    const __m512bh k0 = load_pairs(keys + 16 * j), k1 = load_pairs(keys + 16 * (half + j));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(q[r * pairs + j])));
+      const __m512bh a = broadcast_pair(q[r * pairs + j]);
       lower[r] = _mm512_dpbf16_ps(lower[r], a, k0);
       upper[r] = _mm512_dpbf16_ps(upper[r], a, k1);
     }
@@ -421,10 +413,10 @@ void dot_weigh_rows(const uint32_t* probs, int64_t stride, const uint16_t* value
     const uint16_t* chunk = values + c * groups * 16;  // 16 key-pair vectors of 32 a group
     for (int64_t pair = 0; pair < 16; ++pair) {
       __m512bh v[G];
-      for (int g = 0; g < G; ++g) v[g] = load_bh(chunk + 32 * (g * 16 + pair));
+      for (int g = 0; g < G; ++g) v[g] = load_pairs(chunk + 32 * (g * 16 + pair));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(probs[r * stride + c / 2 + pair])));
+        const __m512bh p = broadcast_pair(probs[r * stride + c / 2 + pair]);
         for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], p, v[g]);
       }
     }

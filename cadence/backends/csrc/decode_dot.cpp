@@ -34,10 +34,6 @@ namespace cadence {
 
 namespace {
 
-__m512bh as_pairs(__m512i v) { return reinterpret_cast<__m512bh>(v); }
-
-__m512bh load_pairs(const uint16_t* p) { return as_pairs(_mm512_loadu_si512(p)); }
-
 // Lane i: the sum of v[i]'s 16 lanes. Pairs of vectors are folded into one at each of four levels
 // (within 128-bit lanes twice, then across them twice), so that the lanes end in the vectors' order.
 __attribute__((always_inline)) inline __m512 sum_lanes(const __m512 (&v)[16]) {
@@ -56,10 +52,6 @@ __attribute__((always_inline)) inline __m512 sum_lanes(const __m512 (&v)[16]) {
   }
   return _mm512_add_ps(_mm512_shuffle_f32x4(eighths[0], eighths[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(eighths[0], eighths[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-const uint16_t* row_of(const at::BFloat16* cache, const int64_t* blocks, int64_t key, const Shape& s, int64_t dim) {
-  return reinterpret_cast<const uint16_t*>(cache + (blocks[key / s.block_size] * s.block_size + key % s.block_size) * dim);
 }
 
 // Scores of G query heads (q: G bf16 rows of 16 C dims) against keys [begin, len), scaled, to out
@@ -124,18 +116,18 @@ void weigh(const Shape s, const uint16_t* probs, int64_t stride, int64_t begin, 
     if (k / s.block_size == fetched && fetched < last_block) {  // entering a block: fetch the next one
       prefetch_block(values + blocks[++fetched] * block_elems, block_elems * 2);
     }
-    const uint16_t* a = row_of(values, blocks, k, s, dim);
-    const uint16_t* b = k + 1 < len ? row_of(values, blocks, k + 1, s, dim) : nullptr;  // its probability is 0
+    const uint16_t* a = key_row(values, blocks, k, s);
+    const uint16_t* b = k + 1 < len ? key_row(values, blocks, k + 1, s) : nullptr;  // its probability is 0
     __m512bh v[C];
     for (int h = 0; h < H; ++h) {
       const __m512i x = _mm512_loadu_si512(a + 32 * h), y = b ? _mm512_loadu_si512(b + 32 * h) : _mm512_setzero_si512();
-      v[2 * h] = as_pairs(_mm512_permutex2var_epi16(x, kLow, y));
-      v[2 * h + 1] = as_pairs(_mm512_permutex2var_epi16(x, kHigh, y));
+      v[2 * h] = reinterpret_cast<__m512bh>(_mm512_permutex2var_epi16(x, kLow, y));
+      v[2 * h + 1] = reinterpret_cast<__m512bh>(_mm512_permutex2var_epi16(x, kHigh, y));
     }
     for (int g = 0; g < G; ++g) {
       uint32_t pair;
       std::memcpy(&pair, probs + g * stride + (k - begin), sizeof(pair));
-      const __m512bh p = as_pairs(_mm512_set1_epi32(static_cast<int>(pair)));
+      const __m512bh p = broadcast_pair(pair);
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], p, v[c]);
     }
   }
@@ -154,15 +146,14 @@ struct Instance {
   Weigh weigh;
 };
 
-// The compiled shapes: [group - 1] at head_dim 64, then [group - 1 + 4] at 128; null past them.
-constexpr std::array<Instance, 6> kInstances = {{{&scores<1, 4>, &weigh<1, 4>}, {&scores<2, 4>, &weigh<2, 4>},
+// By fixed_decode_shape (paged_attention.h).
+constexpr std::array<Instance, kFixedDecodeShapes> kInstances = {{{&scores<1, 4>, &weigh<1, 4>}, {&scores<2, 4>, &weigh<2, 4>},
                                                  {&scores<3, 4>, &weigh<3, 4>}, {&scores<4, 4>, &weigh<4, 4>},
                                                  {&scores<1, 8>, &weigh<1, 8>}, {&scores<2, 8>, &weigh<2, 8>}}};
 
 const Instance* instance(const Shape& s) {
-  if (s.chunks == 4 && s.group >= 1 && s.group <= 4) return &kInstances[s.group - 1];
-  if (s.chunks == 8 && s.group >= 1 && s.group <= 2) return &kInstances[s.group + 3];
-  return nullptr;
+  const int shape = fixed_decode_shape(s);
+  return shape < 0 ? nullptr : &kInstances[shape];
 }
 
 }  // namespace

@@ -320,16 +320,22 @@ constexpr std::array<Accumulate, sizeof...(C)> accumulators(std::integer_sequenc
   return {&accumulate<C + 1>...};
 }
 
+// A decode's group of rows of scores ([group][len]) over keys [begin, len), soft-capped where the call
+// caps them, to their softmax in place; their normalizers to `own`.
+void decode_softmax(const Shape s, float* scores, int64_t begin, int64_t len, Normalizer* own) {
+  for (int64_t g = 0; g < s.group; ++g) {
+    if (s.soft_cap > 0) soft_cap(scores + g * len + begin, len - begin, s.soft_cap);
+    own[g] = softmax(scores + g * len + begin, len - begin);
+  }
+}
+
 // A decode's attention to its keys [begin, len): the group's scores, their softmax (normalizers to
 // `own`), and the weighted values into w.acc. G and C as score()'s.
 template <int G, int C, typename T>
 void attend_decode(const Shape s, Scratch& w, int64_t begin, int64_t len, const T* keys, const T* values,
                    const int64_t* blocks, const Upcoming<T>& next, Normalizer* own) {
   score<G, C>(s, w.q, keys, blocks, begin, len, w.scores, next);
-  for (int64_t g = 0; g < s.group; ++g) {
-    if (s.soft_cap > 0) soft_cap(w.scores + g * len + begin, len - begin, s.soft_cap);
-    own[g] = softmax(w.scores + g * len + begin, len - begin);
-  }
+  decode_softmax(s, w.scores, begin, len, own);
   weigh<G, C>(s, w.scores, values, blocks, begin, len, w.acc);
 }
 
@@ -341,11 +347,10 @@ void attend_decode_dot(const Shape s, Scratch& w, const at::BFloat16* q, int64_t
                        const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks,
                        const Upcoming<at::BFloat16>& next, Normalizer* own) {
   dot_decode_scores(s, q, begin, len, keys, blocks, next, w.scores);
+  decode_softmax(s, w.scores, begin, len, own);
   const int64_t n = len - begin;
   for (int64_t g = 0; g < s.group; ++g) {
-    float* row = w.scores + g * len + begin;
-    if (s.soft_cap > 0) soft_cap(row, n, s.soft_cap);
-    own[g] = softmax(row, n);
+    const float* row = w.scores + g * len + begin;
     auto* probs = reinterpret_cast<at::BFloat16*>(w.pairs + g * w.pair_stride);
     for (int64_t k = 0; k < n; k += 16) store16(probs + k, load16(row + k, tail_mask(n - k)), tail_mask(n - k));
     w.pairs[g * w.pair_stride + n] = 0;
@@ -363,13 +368,12 @@ void attend_decode(const Shape s, Scratch& w, int64_t begin, int64_t len, const 
 #if defined(__AVX512F__)
   using Fixed = void (*)(const Shape, Scratch&, int64_t, int64_t, const T*, const T*, const int64_t*,
                          const Upcoming<T>&, Normalizer*);
-  static constexpr Fixed kDim64[] = {&attend_decode<1, 4, T>, &attend_decode<2, 4, T>, &attend_decode<3, 4, T>,
-                                     &attend_decode<4, 4, T>};
-  static constexpr Fixed kDim128[] = {&attend_decode<1, 8, T>, &attend_decode<2, 8, T>};
-  const Fixed fixed = s.chunks == 4 && s.group >= 1 && s.group <= 4   ? kDim64[s.group - 1]
-                      : s.chunks == 8 && s.group >= 1 && s.group <= 2 ? kDim128[s.group - 1]
-                                                                      : nullptr;
-  if (fixed != nullptr) return fixed(s, w, begin, len, keys, values, blocks, next, own);
+  static constexpr Fixed kFixed[kFixedDecodeShapes] = {  // by fixed_decode_shape (paged_attention.h)
+      &attend_decode<1, 4, T>, &attend_decode<2, 4, T>, &attend_decode<3, 4, T>, &attend_decode<4, 4, T>,
+      &attend_decode<1, 8, T>, &attend_decode<2, 8, T>};
+  if (const int shape = fixed_decode_shape(s); shape >= 0) {
+    return kFixed[shape](s, w, begin, len, keys, values, blocks, next, own);
+  }
 #endif
   attend_decode<0, 0>(s, w, begin, len, keys, values, blocks, next, own);
 }
@@ -507,7 +511,7 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
       const int64_t* blocks = table + requests[tile.first] * s.max_blocks;
       const T* keys = k_ptr + head * s.head_stride;
       const T* values = v_ptr + head * s.head_stride;
-      bool on_tiles = false;
+      bool attended = false;  // on the tile unit or by VDPBF16PS
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         const T* q_tile = q_ptr + tile.first * s.q_stride + head * s.group * dim;
@@ -519,20 +523,20 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
           } else {
             unit->attend(q_tile, tile.count, len, requests[tile.first], head, keys, values, blocks, w.acc);
           }
-          on_tiles = true;
+          attended = true;
         }
       }
 #endif
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (!on_tiles && tile.count == 1 && dot) {
+        if (!attended && tile.count == 1 && dot) {
           attend_decode_dot(s, w, q_ptr + tile.first * s.q_stride + head * s.group * dim, first_key(tile.first), len,
                             keys, values, blocks, upcoming(task), own.data());
-          on_tiles = true;
+          attended = true;
         }
       }
 #endif
-      if (!on_tiles) {
+      if (!attended) {
         for (int64_t i = 0; i < tile.count; ++i) {  // the tile's queries, scaled: [row][g][dim]
           const T* q_row = q_ptr + (tile.first + i) * s.q_stride + head * s.group * dim;
           for (int64_t e = 0; e < s.group * dim; e += 16) {

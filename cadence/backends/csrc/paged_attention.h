@@ -51,6 +51,33 @@ __attribute__((always_inline)) inline void prefetch_share(const Upcoming<T>& nex
   }
 }
 
+// Row `key` of a head's cache (keys or values) through a request's block-table row, as bf16 bits.
+inline const uint16_t* key_row(const at::BFloat16* cache, const int64_t* blocks, int64_t key, const Shape& s) {
+  return reinterpret_cast<const uint16_t*>(cache + (blocks[key / s.block_size] * s.block_size + key % s.block_size) *
+                                                       (s.chunks * 16));
+}
+
+// The decode shapes compiled for a fixed group and head_dim, where the group's query vectors and sums
+// fit the 32 vector registers beside a key (paged_attention.cpp's attend_decode<G, C>, decode_dot.cpp):
+// 1-4 query heads per KV head at head_dim 64 (index group - 1), 1-2 at 128 (group + 3); -1 for others.
+constexpr int kFixedDecodeShapes = 6;
+
+inline int fixed_decode_shape(const Shape& s) {
+  if (s.chunks == 4 && s.group >= 1 && s.group <= 4) return static_cast<int>(s.group - 1);
+  if (s.chunks == 8 && s.group >= 1 && s.group <= 2) return static_cast<int>(s.group + 3);
+  return -1;
+}
+
+#if defined(__AVX512F__)
+// VDPBF16PS's operands (attention_packed.cpp, decode_dot.cpp): 32 bf16 (16 pairs) from anywhere (the
+// packed operands need not start on a 64-byte line), and one pair (32 bits) in every lane.
+inline __m512bh load_pairs(const void* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
+inline __m512bh broadcast_pair(uint32_t pair) {
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+}
+#endif
+
 // The largest of a row's scaled scores and the sum of their exponentials, shifted by it: what a
 // softmax divides by, and what two parts of one row's attention merge by.
 struct Normalizer {
