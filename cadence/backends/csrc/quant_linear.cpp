@@ -14,7 +14,7 @@
 // two do not (docs/quantization.md). Per step, two VPDPBUSDs add 4 code x part products into each
 // row's 32-bit lanes; per block y += scale * s * (isum_hi + isum_lo / 254) + minimum * x_sum, where
 // x_sum is the block's sum of xq. So y = sum_k w_k * xq_k but for float32 rounding. Threads own
-// whole groups; each weight byte is read once per call (per 256 rows of x), and about 16 KiB ahead
+// whole groups; each weight byte is read once per call (per 256 rows of x), and kPrefetchBytes ahead
 // of its use it is prefetched into L2: at one row a call is bound by how fast the weights arrive,
 // and the hardware prefetchers alone brought them 25% slower (docs/quantization.md). Built on first
 // use by cadence/backends/cpu_kernels.py.
@@ -48,7 +48,11 @@ constexpr int64_t kTileRows = 4;
 // whole group, three rows at a time (their 24 sums are what fits in registers beside the codes), and
 // prefetches the weights it streams.
 constexpr int64_t kWholeGroupRows = 9;
-constexpr int64_t kPrefetchBytes = 16384;  // measured at one row: 12-20 KiB ahead best, 8 KiB 10% slower
+// How far ahead the weights are fetched. On 2026-12-01 12-20 KiB ahead measured alike at one row and 8
+// KiB 10% slower; on 2026-12-07 (the same AMD EPYC, the kernel as it is now) 6 KiB took 4-10% less
+// than 16 at one row, 13% less at 3 and 9% at 8 (4 KiB about as 6; 8 and 12 KiB between): the
+// default model's linears 4.1-4.8 ms a token against 4.4-4.9, one stream 165 against 158 tok/s.
+constexpr int64_t kPrefetchBytes = 6144;
 
 // The kernel, as quant_pack.h's linear calls it.
 struct Vnni {
