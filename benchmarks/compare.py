@@ -187,12 +187,15 @@ def offline_vs_vllm(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
 
 
 def by_vllm_client(ns: argparse.Namespace, servers: dict[str, str], folder: str) -> dict[str, Any]:
-    """Goal 1's workload measured on each server by vLLM's own client (``--vllm-client``), with the
-    seed the workload arguments give cadence's client."""
+    """Goal 1's workload measured on each server by vLLM's own client (``--vllm-client``): the random
+    prompts, lengths, concurrency and seed that cadence's client was given."""
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    seed = parser.parse_known_args(ns.workload_arg)[0].seed
-    workload = vllm_client.RandomWorkload(seed=seed)
+    load = parser.parse_args([*SERVING_LOAD, *ns.workload_arg])
+    if load.dataset_name != "random" or load.dataset_path:
+        raise SystemExit("--vllm-client measures the random dataset only; drop the workload's dataset flags")
+    workload = vllm_client.RandomWorkload(load.num_prompts, load.max_concurrency, load.input_len, load.output_len,
+                                          load.range_ratio, load.seed)
     return {name: vllm_client.measure(ns.vllm_client, url, folder, workload) for name, url in servers.items()}
 
 

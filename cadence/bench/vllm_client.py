@@ -30,19 +30,22 @@ FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms"
 @dataclass(frozen=True)
 class RandomWorkload:
     """vLLM's random dataset: ``num_prompts`` prompts of ``input_len`` random tokens, ``output_len``
-    tokens out with EOS ignored, at most ``max_concurrency`` in flight, drawn with ``seed`` (goal 1's
-    workload by default: cadence's ``bench serve`` defaults with 64 prompts and 32 clients)."""
+    tokens out with EOS ignored (both lengths drawn within ``range_ratio`` of those), at most
+    ``max_concurrency`` in flight, drawn with ``seed``: the flags of cadence's ``bench serve`` random
+    dataset, whose defaults these are but for goal 1's 64 prompts and 32 clients."""
 
     num_prompts: int = 64
     max_concurrency: int = 32
     input_len: int = 128
     output_len: int = 128
+    range_ratio: float = 0.0
     seed: int = 0
 
     def arguments(self) -> list[str]:
         return ["--dataset-name", "random", "--random-input-len", str(self.input_len),
-                "--random-output-len", str(self.output_len), "--num-prompts", str(self.num_prompts),
-                "--max-concurrency", str(self.max_concurrency), "--seed", str(self.seed), "--ignore-eos"]
+                "--random-output-len", str(self.output_len), "--random-range-ratio", str(self.range_ratio),
+                "--num-prompts", str(self.num_prompts), "--max-concurrency", str(self.max_concurrency),
+                "--seed", str(self.seed), "--ignore-eos"]
 
 
 def client_command(python: str, base_url: str, tokenizer: str, workload: RandomWorkload, result: Path) -> list[str]:

@@ -45,9 +45,10 @@ def test_the_command_is_goal_1s_workload_through_vllms_cli_parser(tmp_path: Path
     assert command == [
         "/venv/bin/python", "-c", vllm_client.RUNNER, "--backend", "openai", "--endpoint", "/v1/completions",
         "--base-url", "http://127.0.0.1:8000", "--tokenizer", "/models/smollm2", "--dataset-name", "random",
-        "--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "32",
-        "--seed", "5", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-        "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "out.json"]
+        "--random-input-len", "128", "--random-output-len", "128", "--random-range-ratio", "0.0", "--num-prompts",
+        "64", "--max-concurrency", "32", "--seed", "5", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "out.json"]
     compile(vllm_client.RUNNER, "<runner>", "exec")  # the -c program is Python
 
 
