@@ -109,7 +109,9 @@ class _Completion:
             choice.text.append(text)
             choice.finish_reason = seq.finish_reason or choice.finish_reason
             self.num_generated += len(seq.token_ids)
-            if text or logprobs is not None or seq.finish_reason is not None:
+            # A new token whose text is held back (a partial character, a possible stop string) still
+            # gets its chunk, with no text, as vLLM sends it: clients time each token by its chunk.
+            if text or seq.token_ids or logprobs is not None or seq.finish_reason is not None:
                 changed.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                 finish_reason=seq.finish_reason))
         return changed

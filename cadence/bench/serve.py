@@ -4,7 +4,8 @@ Requests stream from ``/v1/completions`` or ``/v1/chat/completions`` with Poisso
 ``--burstiness``) arrivals at ``--request-rate``, or at the times a trace gives (``--dataset-name
 trace``: its token-id prompts sent as ids, its priorities, users and ``extra_args`` with each
 request), at most ``--max-concurrency`` in flight. Each
-streamed chunk that carries text is timed; the figures (TTFT, TPOT, ITL, E2E latency, throughput,
+streamed chunk that carries tokens is timed (as vLLM's client does: text or not, but a chat stream's
+role-only opening); the figures (TTFT, TPOT, ITL, E2E latency, throughput,
 goodput) are computed by :mod:`cadence.bench.metrics` with vLLM's definitions, so they compare
 number for number with vLLM's own benchmark against cadence, vLLM or llama.cpp's server.
 """
@@ -109,8 +110,7 @@ async def _stream_one(session: aiohttp.ClientSession, target: ServeTarget, reque
             if response.status != 200:
                 return record([], 0, False)
             async for event in _sse_events(response):
-                text = _delta_text(event)
-                if text:
+                if _carries_tokens(event):
                     chunks.append(time.perf_counter())
                 usage = event.get("usage")
                 if usage:
@@ -137,12 +137,15 @@ async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[st
         yield json.loads(data)
 
 
-def _delta_text(event: dict[str, Any]) -> str:
-    text = ""
+def _carries_tokens(event: dict[str, Any]) -> bool:
+    """Whether a streamed event brings generated tokens, as vLLM's client times them: any completion
+    choice, with text or not (a token whose text a server holds back, a partial character, still has
+    its chunk), and any chat delta but a role-only opening."""
     for choice in event.get("choices") or ():
         delta = choice.get("delta")
-        text += (delta.get("content") or "") if delta is not None else (choice.get("text") or "")
-    return text
+        if delta is None or "role" not in delta or delta.get("content"):
+            return True
+    return False
 
 
 async def run_load(target: ServeTarget, requests: Sequence[BenchRequest], prompts: Sequence[str | list[int]], *,

@@ -102,10 +102,28 @@ def test_a_stream_opens_with_each_choices_role_then_sends_content_deltas(spec: O
         {"index": 1, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
         {"index": 0, "delta": {"content": "Pa"}, "logprobs": None, "finish_reason": None},
         {"index": 1, "delta": {"content": "He"}, "logprobs": None, "finish_reason": None},
-        # the step that held its text back sends nothing
+        # the step that held its text back sends its token's chunk without text, as vLLM does
+        {"index": 1, "delta": {"content": ""}, "logprobs": None, "finish_reason": None},
         {"index": 1, "delta": {"content": "llo"}, "logprobs": None, "finish_reason": "length"},
         {"index": 0, "delta": {"content": "ris"}, "logprobs": None, "finish_reason": "stop"},
     ]
+
+
+def test_a_held_back_token_of_a_parsed_choice_sends_nothing(spec: OpenAISpec) -> None:
+    """With a reasoning parser the stream's deltas are the parser's: a token whose text is held back
+    changes nothing a client sees (vLLM sends no chunk either), only its plain twin gets an empty one."""
+    deltas = [step(out(0, "Pa", [PAR])), step(out(0, "", [7])), step(out(0, "ris", [IS], "stop"))]
+    for parser, held_back in ((None, [{"content": ""}]), ("deepseek_r1", [])):
+        settings = ServerSettings(served_model_names=("m",), reasoning_parser=parser)
+        reply = post_json(scripted(deltas), "/v1/chat/completions", {"messages": HI, "stream": True}, settings)
+        assert reply.status == 200, reply.text
+        *chunks, done = events(reply.text)
+        assert done == "[DONE]"
+        decoded = [json.loads(chunk) for chunk in chunks]
+        for chunk in decoded:
+            spec.validate(chunk, "CreateChatCompletionStreamResponse")
+        field = "content" if parser is None else "reasoning_content"
+        assert [c["choices"][0]["delta"] for c in decoded[1:]] == [{field: "Pa"}, *held_back, {field: "ris"}]
 
 
 def test_a_finish_without_text_still_sends_its_finish_reason(spec: OpenAISpec) -> None:
@@ -119,13 +137,13 @@ def test_a_finish_without_text_still_sends_its_finish_reason(spec: OpenAISpec) -
 def test_include_usage_puts_null_usage_on_every_chunk_and_ends_with_a_usage_chunk(spec: OpenAISpec) -> None:
     request = {"messages": HI, "n": 2, "stream_options": {"include_usage": True}}
     *chunks, last = streamed(scripted(TWO_CHOICES), request, spec)
-    assert len(chunks) == 6 and all(c["usage"] is None for c in chunks)
+    assert len(chunks) == 7 and all(c["usage"] is None for c in chunks)  # the held-back token's chunk too
     assert last["choices"] == []
     assert last["usage"] == {"prompt_tokens": len(HI_IDS), "completion_tokens": 5, "total_tokens": len(HI_IDS) + 5,
                              "prompt_tokens_details": {"cached_tokens": 16}}
     # include_usage false: no usage anywhere, no usage chunk.
     plain = streamed(scripted(TWO_CHOICES), {**request, "stream_options": {"include_usage": False}}, spec)
-    assert len(plain) == 6 and all("usage" not in c for c in plain)
+    assert len(plain) == 7 and all("usage" not in c for c in plain)
 
 
 def test_add_generation_prompt_false_renders_without_the_assistant_opening() -> None:

@@ -100,6 +100,17 @@ def test_a_batch_of_prompts_gives_prompt_major_choices(spec: OpenAISpec) -> None
         (2, DEFAULT_COMPLETION_TOKENS)}
 
 
+def test_a_token_whose_text_is_held_back_streams_a_chunk_without_text(spec: OpenAISpec) -> None:
+    """As vLLM: every new token has its chunk (a client times each token by one), text or not; a
+    delta without tokens (nothing sampled) sends none."""
+    def held_back(prompt: int) -> list[RequestOutput]:
+        return [step(out(0, "Pa", [PAR])), step(out(0, "", [])), step(out(0, "", [7])),
+                step(out(0, "ris", [IS], "stop"))]
+
+    parts = by_choice(streamed(scripted(held_back), {"prompt": "Paris"}, spec))
+    assert [(p["text"], p["finish_reason"]) for p in parts[0]] == [("Pa", None), ("", None), ("ris", "stop")]
+
+
 def test_a_streamed_batch_sends_each_choice_under_its_prompt_major_index(spec: OpenAISpec) -> None:
     request = {"prompt": ["Paris", "Hello", "ab"], "n": 2, "stream_options": {"include_usage": True}}
     *chunks, last = streamed(scripted(two_sequences), request, spec)

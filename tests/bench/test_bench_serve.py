@@ -40,8 +40,11 @@ def _serve_args(*args: str) -> argparse.Namespace:
     return parser.parse_args(["bench", "serve", "--disable-tqdm", *args])
 
 
-def test_records_every_streamed_chunk_and_counts_failures(server: str) -> None:
-    target = ServeTarget(server, "/v1/completions", "m", None, ignore_eos=True)
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_records_every_streamed_chunk_and_counts_failures(server: str, endpoint: str) -> None:
+    """Every token's chunk is timed, the one without text too (vLLM's client times it), but not a
+    chat stream's role-only opening."""
+    target = ServeTarget(server, endpoint, "m", None, ignore_eos=True)
     requests = [BenchRequest([1, 2], 2, 5)] * 6
     prompts = ["hello"] * 5 + ["fail"]
     records, start, end = asyncio.run(run_load(target, requests, prompts, request_rate=math.inf, burstiness=1.0,

@@ -1,5 +1,7 @@
 """A scripted OpenAI-style completions server for the load generator's tests: every reply streams
-``TOKENS_PER_REPLY`` text chunks ``GAP_S`` apart, then usage; the prompt ``"fail"`` gets a 400.
+``TOKENS_PER_REPLY`` token chunks ``GAP_S`` apart (chunk ``HELD_BACK``'s text empty, as a server
+sends a token whose text it holds back), then usage; the prompt ``"fail"`` gets a 400. Its chat
+endpoint streams a role-only opening first, then the same chunks as deltas.
 ``/metrics`` exports vLLM's prefix-cache counters: each reply adds its ``PROMPT_TOKENS`` to the
 queries, and every reply after the first ``HITS_PER_REPLY`` to the hits (the first finds nothing
 cached)."""
@@ -12,6 +14,7 @@ import json
 import aiohttp.web
 
 TOKENS_PER_REPLY = 5
+HELD_BACK = 2
 GAP_S = 0.02
 PROMPT_TOKENS = 7
 HITS_PER_REPLY = 3
@@ -20,14 +23,20 @@ _REPLIES = aiohttp.web.AppKey("replies", list[int])
 
 async def _completions(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
     body = await request.json()
-    if body["prompt"] == "fail":
+    chat = "messages" in body
+    if (body["messages"][0]["content"] if chat else body["prompt"]) == "fail":
         return aiohttp.web.json_response({"error": {"message": "no", "type": "x", "param": None, "code": None}},
                                          status=400)
     response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
+    if chat:
+        opening = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        await response.write(f"data: {json.dumps(opening)}\n\n".encode())
     for i in range(TOKENS_PER_REPLY):
         await asyncio.sleep(GAP_S)
-        chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+        text = "" if i == HELD_BACK else f"t{i}"
+        choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+        chunk = {"choices": [{**choice, "finish_reason": None}]}
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
     usage = {"choices": [], "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": TOKENS_PER_REPLY,
                                       "total_tokens": PROMPT_TOKENS + TOKENS_PER_REPLY}}
@@ -49,5 +58,6 @@ def completions_app() -> aiohttp.web.Application:
     app = aiohttp.web.Application()
     app[_REPLIES] = [0]
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _completions)
     app.router.add_get("/metrics", _metrics)
     return app
