@@ -426,13 +426,12 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, const c
       for (int64_t j = begin; j < end; ++j) {
         const __m512bh* panel = w + j * panel_vecs;
         const char* next = reinterpret_cast<const char*>(streaming ? panel : panel + panel_vecs);
-        const bool fetch = streaming || j + 1 < end;
         const int64_t cols = std::min(kPanelCols, out_features - j * kPanelCols);
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t r0 = first_row + t * kTileRows;
           // tile t fetches lines [first_line, first_line + pairs * fetch_per_pair) from `next`
           const int64_t first_line = streaming ? kStreamAhead / kLine : t * pairs * fetch_per_pair;
-          const bool fetching = fetch && (streaming || first_line < panel_vecs);
+          const bool fetching = streaming || (j + 1 < end && first_line < panel_vecs);
           kTiles[std::min(kTileRows, rows - r0)](xp + r0 * row_pairs, row_pairs, panel, pairs,
                                                  o + r0 * out_features + j * kPanelCols, out_features, cols,
                                                  b ? b + j * kPanelCols : nullptr,
