@@ -196,7 +196,8 @@ def by_vllm_client(ns: argparse.Namespace, servers: dict[str, str], folder: str)
         raise SystemExit("--vllm-client measures the random dataset only; drop the workload's dataset flags")
     workload = vllm_client.RandomWorkload(load.num_prompts, load.max_concurrency, load.input_len, load.output_len,
                                           load.range_ratio, load.seed)
-    return {name: vllm_client.measure(ns.vllm_client, url, folder, workload) for name, url in servers.items()}
+    figures = [key for key, _, _ in _SERVING_FIGURES]  # what comparison_table reads
+    return {name: vllm_client.measure(ns.vllm_client, url, folder, workload, figures) for name, url in servers.items()}
 
 
 def launched_peers(ns: argparse.Namespace, folder: str) -> list[Peer]:

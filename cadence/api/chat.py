@@ -106,8 +106,8 @@ class _Chat:
                 message = _joined(message, choice.output.finish())
             # As vLLM: a plain choice's new token whose text is held back still gets its chunk (empty
             # content), so that clients time each token; a parsed one's (tool calls, reasoning) does not.
-            held_back = choice.output.plain and bool(seq.token_ids)
-            if _has_fields(message) or held_back or logprobs is not None or seq.finish_reason is not None:
+            plain_token = choice.output.plain and bool(seq.token_ids)
+            if _has_fields(message) or plain_token or logprobs is not None or seq.finish_reason is not None:
                 reason = self._finish_reason(seq.finish_reason, choice.output.called)
                 changed.append(ChatChunkChoice(index=seq.index, delta=message, logprobs=logprobs,
                                                finish_reason=reason))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,6 @@ from typing import Any
 RUNNER = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
           "from vllm.benchmarks.serve import add_cli_args, main; "
           "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
-
-# The figures a comparison's tables read (benchmarks/compare.py), which every result must hold.
-FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",
-           "median_e2el_ms")
 
 
 @dataclass(frozen=True)
@@ -58,21 +55,22 @@ def client_command(python: str, base_url: str, tokenizer: str, workload: RandomW
             "--result-filename", result.name]
 
 
-def read_result(path: Path) -> dict[str, Any]:
-    """vLLM's result JSON, checked for the figures a comparison reads.
+def read_result(path: Path, figures: Sequence[str]) -> dict[str, Any]:
+    """vLLM's result JSON, checked for the ``figures`` (its keys) the caller reads.
 
     :raises ValueError: a figure is missing (another vLLM's format, or a run that measured nothing).
     """
     result = json.loads(path.read_text())
-    missing = [key for key in FIGURES if not isinstance(result.get(key), float | int)]
+    missing = [key for key in figures if not isinstance(result.get(key), float | int)]
     if missing:
         raise ValueError(f"{path}: vLLM's client gave no {', '.join(missing)}")
     return result
 
 
-def measure(python: str, base_url: str, tokenizer: str, workload: RandomWorkload,
+def measure(python: str, base_url: str, tokenizer: str, workload: RandomWorkload, figures: Sequence[str],
             timeout_s: float = 1800.0) -> dict[str, Any]:
-    """Run vLLM's client (see :func:`client_command`) and return its result.
+    """Run vLLM's client (see :func:`client_command`) and return its result, which holds ``figures``
+    (:func:`read_result`).
 
     :raises RuntimeError: the client failed, with the end of what it printed.
     """
@@ -82,4 +80,4 @@ def measure(python: str, base_url: str, tokenizer: str, workload: RandomWorkload
                               text=True, timeout=timeout_s, check=False)
         if done.returncode != 0 or not result.exists():
             raise RuntimeError(f"vLLM's client failed (exit {done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
-        return read_result(result)
+        return read_result(result, figures)

@@ -17,6 +17,8 @@ from cadence.bench import vllm_client
 from cadence.bench.vllm_client import RandomWorkload, client_command, measure, read_result
 
 _RESULT = Path(__file__).parent.parent / "data" / "vllm_client_result.json"
+# What a comparison's table reads of a result (benchmarks/compare.py passes its own).
+_FIGURES = ("output_throughput", "median_ttft_ms", "p99_itl_ms", "median_e2el_ms")
 
 
 def _stand_in(tmp_path: Path, exit_code: int = 0) -> Path:
@@ -54,7 +56,8 @@ def test_the_command_is_goal_1s_workload_through_vllms_cli_parser(tmp_path: Path
 
 def test_measure_returns_the_clients_figures(tmp_path: Path) -> None:
     python = _stand_in(tmp_path)
-    result = measure(str(python), "http://127.0.0.1:9", "/models/m", RandomWorkload(num_prompts=8, max_concurrency=4))
+    result = measure(str(python), "http://127.0.0.1:9", "/models/m", RandomWorkload(num_prompts=8, max_concurrency=4),
+                     _FIGURES)
     assert result == json.loads(_RESULT.read_text())
     assert result["output_throughput"] == pytest.approx(484.066327777246)
     argv = json.loads(Path(str(python) + ".argv").read_text())
@@ -64,7 +67,7 @@ def test_measure_returns_the_clients_figures(tmp_path: Path) -> None:
 
 def test_a_failed_client_is_an_error_with_what_it_printed(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"exit 3\).*No module named 'vllm'"):
-        measure(str(_stand_in(tmp_path, exit_code=3)), "http://127.0.0.1:9", "/models/m", RandomWorkload())
+        measure(str(_stand_in(tmp_path, exit_code=3)), "http://127.0.0.1:9", "/models/m", RandomWorkload(), _FIGURES)
 
 
 @pytest.mark.parametrize("key", ["output_throughput", "p99_itl_ms", "median_e2el_ms"])
@@ -73,4 +76,4 @@ def test_a_result_without_a_figure_is_refused(tmp_path: Path, key: str) -> None:
     del result[key]
     (path := tmp_path / "r.json").write_text(json.dumps(result))
     with pytest.raises(ValueError, match=f"no {key}"):
-        read_result(path)
+        read_result(path, _FIGURES)
