@@ -211,6 +211,13 @@ def bench_prefill_attention(ops: Any, repeats: int) -> None:
                   f"torch SDPA {theirs:.2f} ms  {theirs / ours:.2f}x")
 
 
+def shared_prefix_table(requests: int, shared: int, own: int) -> torch.Tensor:
+    """Block tables [requests, shared + own]: blocks 0..shared-1 in every row (a prefix they all
+    share), then each request's ``own`` blocks after them."""
+    return torch.cat([torch.arange(shared).expand(requests, -1),
+                      shared + torch.arange(requests * own).view(requests, own)], dim=1)
+
+
 def bench_shared_prefix_prefill(ops: Any, repeats: int) -> None:
     """Goal 6's burst: 32 prompts' 64 new rows each over 1,088 keys, the first 1,024 in shared blocks."""
     kv_heads, group, head_dim, block_size, requests, new, prefix = 3, 3, 64, 16, 32, 64, 1024
@@ -218,8 +225,7 @@ def bench_shared_prefix_prefill(ops: Any, repeats: int) -> None:
     generator = torch.Generator().manual_seed(0)
     k, v = (torch.randn(kv_heads, shared + requests * own, block_size, head_dim, generator=generator,
                         dtype=torch.bfloat16) for _ in "kv")
-    table = torch.cat([torch.arange(shared).expand(requests, -1),
-                       shared + torch.arange(requests * own).view(requests, own)], dim=1)
+    table = shared_prefix_table(requests, shared, own)
     q = torch.randn(requests * new, kv_heads * group, head_dim, generator=generator, dtype=torch.bfloat16)
     out, rows = torch.empty_like(q), torch.arange(requests).repeat_interleave(new)
     seq_lens = torch.arange(prefix + 1, prefix + new + 1).repeat(requests)
@@ -241,8 +247,7 @@ def bench_shared_prefix_decodes(ops: Any, repeats: int) -> None:
         own = per_request - prefix_blocks
         caches = [tuple(torch.randn(kv_heads, prefix_blocks + requests * own, block_size, head_dim,
                                     dtype=torch.bfloat16) for _ in "kv") for _ in range(LAYERS)]
-        table = torch.cat([torch.arange(prefix_blocks).expand(requests, -1),
-                           prefix_blocks + torch.arange(requests * own).view(requests, own)], dim=1)
+        table = shared_prefix_table(requests, prefix_blocks, own)
 
         def step(table: torch.Tensor = table, caches: list[tuple[torch.Tensor, ...]] = caches) -> None:
             for k, v in caches:
