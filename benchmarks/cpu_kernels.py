@@ -15,6 +15,8 @@
   Llama's ``x * cos + rotate_half(x) * sin`` after the gather of the step's cos and sin rows.
 - decode attention: 64 requests x 200 tokens of context, 30 layers, read through a block table
   whose blocks are contiguous (a fresh cache) or shuffled (a cache after requests came and went).
+- one user's decode attention: one request over 4,096 keys, 30 layers, on every thread against one
+  thread (a decode past 512 keys is read in parts that every thread takes).
 - prefill attention: one 2,048-token prompt (and a 512-token chunk after 1,536 cached tokens), one
   layer, on each bf16 path the CPU has (packed keys on AMX tiles or by VDPBF16PS, and fp32), against
   torch's causal SDPA over the same keys gathered into contiguous tensors; and goal 6's burst, 32
@@ -180,6 +182,30 @@ def bench_attention(ops: Any, repeats: int) -> None:
     print(f"  shuffled / contiguous: {times['shuffled'] / times['contiguous']:.2f}x the time")
 
 
+def bench_long_decode(ops: Any, repeats: int) -> None:
+    kv_heads, group, head_dim, block_size, context = 3, 3, 64, 16, 4096
+    blocks = context // block_size
+    caches = [tuple(torch.randn(kv_heads, blocks, block_size, head_dim, dtype=torch.bfloat16) for _ in "kv")
+              for _ in range(LAYERS)]
+    q = torch.randn(1, kv_heads * group, head_dim, dtype=torch.bfloat16)
+    out, rows, seq_lens = torch.empty_like(q), torch.zeros(1, dtype=torch.long), torch.tensor([context])
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).view(1, -1)
+
+    def step() -> None:
+        for k, v in caches:
+            ops.paged_attention(out, q, k, v, table, rows, seq_lens, head_dim ** -0.5, 0, 0.0)
+
+    threads = torch.get_num_threads()
+    every = median_ms(step, repeats)
+    torch.set_num_threads(1)
+    try:
+        one = median_ms(step, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"  one decode over {context} keys: {every:.2f} ms per 30 layers on {threads} threads, "
+          f"{one:.2f} ms on one ({one / every:.2f}x)")
+
+
 def attention_paths(ops: Any) -> Iterator[str]:
     """Paged attention's bf16 paths this CPU has, each switched on in turn: "AMX" (packed keys on the
     tile unit), "VDPBF16PS" (packed keys without it), "fp32"; the default again after each."""
@@ -278,6 +304,7 @@ def main() -> None:
     bench_argmax(ops, ns.repeats)
     bench_layer_ops(ops, ns.repeats)
     bench_attention(ops, ns.repeats)
+    bench_long_decode(ops, ns.repeats)
     bench_prefill_attention(ops, ns.repeats)
     bench_shared_prefix_prefill(ops, ns.repeats)
     bench_shared_prefix_decodes(ops, ns.repeats)

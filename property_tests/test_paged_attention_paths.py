@@ -2,7 +2,7 @@
 by VDPBF16PS, whose decodes read their keys and values as bf16 pairs, and the fp32 path) gives the
 definition's output for random mixes of decodes and prefill chunks over cached contexts, with block
 sizes that do and do not divide 16, head shapes compiled for their group and head_dim and others,
-sliding windows and soft caps (``csrc/paged_attention.cpp``, ``attention_packed.cpp``,
+sliding windows and soft caps, long decodes read in parts (``csrc/paged_attention.cpp``, ``attention_packed.cpp``,
 ``decode_dot.cpp``; docs/attention_backends.md)."""
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from cadence.backends.testing import naive_reference, random_paged_batch, run_ba
 # of 5, head_dim 256 and 32 (read from the shape).
 SHAPES = [(9, 3, 64), (4, 4, 64), (4, 2, 128), (10, 2, 64), (4, 1, 256), (6, 2, 32)]
 
-# (cached tokens, new tokens): decodes, and chunks of up to 40 rows (over a tile of 32 on packed keys).
-REQUESTS = st.lists(st.tuples(st.integers(0, 200), st.one_of(st.just(1), st.integers(2, 40))), min_size=1, max_size=6)
+# (cached tokens, new tokens): decodes, and chunks of up to 40 rows (over a tile of 32 on packed keys),
+# some over contexts that a decode reads in parts (past 512 keys).
+REQUESTS = st.lists(st.tuples(st.one_of(st.integers(0, 200), st.integers(500, 1100)),
+                              st.one_of(st.just(1), st.integers(2, 40))), min_size=1, max_size=6)
 
 
 @pytest.mark.parametrize("path", ATTENTION_PATHS)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from cadence.backends import cpu_kernels, sdpa_backend
 from cadence.backends.cpu_kernels import ATTENTION_PATHS, cpu_ops
 from cadence.backends.sdpa_backend import SDPABackend
-from cadence.backends.testing import PagedBatch, random_paged_batch, run_backend
+from cadence.backends.testing import PagedBatch, naive_reference, random_paged_batch, run_backend
 
 CPU = torch.device("cpu")
 # Paged attention's bf16 paths (the attention_path fixture): prefill tiles over packed keys on the tile unit
@@ -113,6 +113,56 @@ def test_any_split_between_threads_gives_the_same_bits(threads: int, dtype: torc
     finally:
         torch.set_num_threads(default)
     assert torch.equal(alone, shared)
+
+
+# Decodes past kDecodePartKeys (512) keys: in parts (one of 513 keys: 512 and 1; exactly two; three with a
+# short last one), beside a short decode and a prefill.
+LONG_DECODES = [(512, 1), (1023, 1), (40, 1), (1100, 1), (0, 20)]
+
+
+@pytest.mark.parametrize("attention_path", PATHS, indirect=True)
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (None, 0.5), (700, None)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (8, 2, 128, 5)])
+def test_long_decodes_read_in_parts_match_naive_attention(attention_path: str, window: int | None, cap: float | None,
+                                                         heads: int, kv_heads: int, head_dim: int,
+                                                         block_size: int) -> None:
+    """A decode's keys past 512 are attended in parts of 512, each a task of its own, and merged by their
+    maxima and sums: the definition's output on every path, with a soft cap, and with a window that
+    leaves more than 512 keys to read (from key 400 of 1,101)."""
+    batch = random_paged_batch(LONG_DECODES, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=block_size)
+    backend = SDPABackend(heads, kv_heads, head_dim, head_dim ** -0.5, sliding_window=window, logits_soft_cap=cap)
+    out, _, _ = run_backend(backend, batch)
+    expected = naive_reference(batch, head_dim ** -0.5, window, cap)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("attention_path", PATHS, indirect=True)
+def test_a_long_decodes_bits_are_its_own_in_any_batch_and_split(attention_path: str) -> None:
+    """A decode's parts follow its own keys only: alone on one thread, and beside other requests on 2
+    and 3 threads (which then share out its parts otherwise), it gets the same bits."""
+    batch = random_paged_batch([(1300, 1), (700, 1), (0, 9), (30, 1)], 9, 3, 64, 16, torch.bfloat16, seed=4)
+    layout, ops = batch.layout, cpu_ops()
+    lens, table = layout.seq_lens.long(), layout.block_table.long()
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        starts = layout.query_start_loc.tolist()
+        picked = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
+        requests = torch.cat([torch.full((starts[r + 1] - starts[r],), r) for r in rows])
+        seq_lens = torch.cat([torch.arange(lens[r] - starts[r + 1] + starts[r] + 1, lens[r] + 1) for r in rows])
+        out = torch.empty_like(batch.q[picked])
+        k, v = (c.permute(2, 0, 1, 3).contiguous() for c in (batch.k_cache, batch.v_cache))
+        ops.paged_attention(out, batch.q[picked], k, v, table, requests, seq_lens, 64 ** -0.5, 0, 0.0)
+        return out
+
+    default = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = attend([0])[0]
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(attend([2, 0, 1, 3])[9], alone)
+    finally:
+        torch.set_num_threads(default)
 
 
 # Fresh prompts longer than a tile, chunks over cached prefixes that start mid-block and mid-chunk,

@@ -9,7 +9,9 @@
 // context every layer). Tasks are (rows, KV head), where the query heads sharing the KV head go
 // together, dealt to the threads in contiguous shares of about equal keys read (shares_of):
 // - a decode row streams its context once: scores by dot products, an fp32 softmax, weighted values,
-//   with the next block prefetched, and the next task's keys and values meanwhile (memory-bound);
+//   with the next block prefetched, and the next task's keys and values meanwhile (memory-bound); past
+//   512 keys, in parts of 512 that are tasks of their own, merged after (kDecodePartKeys, merge_parts),
+//   so that one long decode's keys are read by every thread;
 // - up to 16 consecutive rows of a prefill form a tile that walks the keys in 16-key chunks, each
 //   transposed once so that a query's 16 scores are head_dim FMAs, and each value chunk serves every
 //   query of the tile (compute-bound);
@@ -236,32 +238,99 @@ std::vector<Tile> tiles_of(const int64_t* requests, const int64_t* lens, int64_t
   return tiles;
 }
 
-// Where each of `parts` threads' share of the tasks (tile-major, then KV head) begins, the last entry
-// the task count: contiguous runs of about equal work, a task's work being the keys its rows read.
-// parallel_for alone splits the tasks by count, so a decode over a long context beside short ones
-// left one thread most of the step: serving's contexts are heavy-tailed (a batch of 2,000 + 3 x 200
-// keys took 1.7x the time of 4 x 650 over 30 layers on the 2-core AVX2 machine; now about the same).
-// `skip`: per row, keys attended already (SharedPrefixes), or empty.
-std::vector<int64_t> shares_of(const std::vector<Tile>& tiles, const int64_t* lens, const std::vector<int64_t>& skip,
-                               const Shape s, int64_t num_kv_heads, int64_t parts) {
-  std::vector<int64_t> work(tiles.size());
-  int64_t total = 0;
+// A decode's keys past this many go in parts of this many (the last part the rest), each part a task
+// of its own, merged in key order after (merge_parts). With one task per KV head, one decode (3 KV
+// heads on SmolLM2) left one of two threads twice the other's keys, and sixteen threads thirteen idle;
+// the parts depend on the decode's own keys only, so they make its bits depend on neither the batch
+// nor the count of threads. One decode's 30 layers over 2,048 keys on 2 AMD EPYC cores (2026-12-07):
+// 1.8-2.7 ms against 2.6-3.6 whole, over 4,096 keys 5.6 against 7.4; 64 decodes over 2,000 keys each,
+// where every thread had whole decodes already, about 2% slower (a part costs about 0.4 us of its
+// own). Parts of 256 keys were no faster than 512 for one decode; of 1,024, 6-23% slower between
+// 1,100 and 3,000 keys.
+constexpr int64_t kDecodePartKeys = 512;
+
+// One task: rows of one tile against one KV head's keys [begin, end) (a tile's rows: from the keys
+// they skip, through their own); `part`: its slot among the call's decode parts, or -1 for a whole task.
+struct Task {
+  int64_t tile;
+  int64_t head;
+  int64_t begin;
+  int64_t end;
+  int64_t part;
+};
+
+// Tile-major, then KV head, then part. `first_key`: per row, the first key it reads.
+template <typename FirstKey>
+std::vector<Task> tasks_of(const std::vector<Tile>& tiles, const int64_t* lens, int64_t num_kv_heads,
+                           const FirstKey& first_key, int64_t* num_parts) {
+  std::vector<Task> tasks;
+  *num_parts = 0;
   for (size_t i = 0; i < tiles.size(); ++i) {
-    const int64_t row = tiles[i].first + tiles[i].count - 1, last = lens[row];
-    work[i] = tiles[i].count * (last - std::max(s.begin(last), skip.empty() ? 0 : skip[row]));
-    total += work[i] * num_kv_heads;
-  }
-  std::vector<int64_t> bounds(parts + 1, static_cast<int64_t>(tiles.size()) * num_kv_heads);
-  bounds[0] = 0;
-  int64_t done = 0, task = 0, part = 1;
-  for (size_t i = 0; i < tiles.size(); ++i) {
-    for (int64_t h = 0; h < num_kv_heads; ++h, ++task) {
-      // A task goes to the share whose stretch of the total its middle falls in.
-      while (part < parts && 2 * done + work[i] > 2 * total * part / parts) bounds[part++] = task;
-      done += work[i];
+    const int64_t row = tiles[i].first, begin = first_key(row), len = lens[row];
+    const bool split = tiles[i].count == 1 && len - begin > kDecodePartKeys;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      if (!split) {
+        tasks.push_back({static_cast<int64_t>(i), h, begin, len, -1});
+        continue;
+      }
+      for (int64_t first = begin; first < len; first += kDecodePartKeys) {
+        tasks.push_back({static_cast<int64_t>(i), h, first, std::min(len, first + kDecodePartKeys), (*num_parts)++});
+      }
     }
   }
+  return tasks;
+}
+
+// Where each of `parts` threads' share of the tasks begins, the last entry the task count: contiguous
+// runs of about equal work, a task's work being the keys its rows read. parallel_for alone splits the
+// tasks by count, so a decode over a long context beside short ones left one thread most of the step:
+// serving's contexts are heavy-tailed (a batch of 2,000 + 3 x 200 keys took 1.7x the time of 4 x 650
+// over 30 layers on the 2-core AVX2 machine; now about the same).
+std::vector<int64_t> shares_of(const std::vector<Task>& tasks, const std::vector<Tile>& tiles, const int64_t* lens,
+                               const Shape s, int64_t parts) {
+  std::vector<int64_t> work(tasks.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const Tile& tile = tiles[tasks[i].tile];
+    const int64_t last = lens[tile.first + tile.count - 1];
+    // a decode reads its task's keys; each row of a tile at most its last row's, from its window's start
+    work[i] = tile.count == 1 ? tasks[i].end - tasks[i].begin
+                              : tile.count * (last - std::max(s.begin(last), tasks[i].begin));
+    total += work[i];
+  }
+  std::vector<int64_t> bounds(parts + 1, static_cast<int64_t>(tasks.size()));
+  bounds[0] = 0;
+  int64_t done = 0, part = 1;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    // A task goes to the share whose stretch of the total its middle falls in.
+    while (part < parts && 2 * done + work[i] > 2 * total * part / parts) bounds[part++] = static_cast<int64_t>(i);
+    done += work[i];
+  }
   return bounds;
+}
+
+// One decode's parts (acc [count][group][dim] in key order, each normalized, with its normalizers
+// [count][group]) into acc [group][dim] and `own`, as if attended in one pass: each part weighted by
+// its sum of exponentials, rescaled to the largest maximum.
+void merge_parts(int64_t group, int64_t dim, const float* parts, const Normalizer* norms, int64_t count, float* acc,
+                 Normalizer* own) {
+  for (int64_t g = 0; g < group; ++g) {
+    float top = norms[g].max;
+    for (int64_t p = 1; p < count; ++p) top = std::max(top, norms[p * group + g].max);
+    float total = 0.0f;
+    for (int64_t p = 0; p < count; ++p) total += norms[p * group + g].sum * std::exp(norms[p * group + g].max - top);
+    float* out = acc + g * dim;
+    for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(out + d, _mm512_setzero_ps());
+    for (int64_t p = 0; p < count; ++p) {
+      const Normalizer n = norms[p * group + g];
+      const __m512 weight = _mm512_set1_ps(n.sum * std::exp(n.max - top) / total);
+      const float* in = parts + (p * group + g) * dim;
+      for (int64_t d = 0; d < dim; d += 16) {
+        _mm512_storeu_ps(out + d, _mm512_fmadd_ps(weight, _mm512_loadu_ps(in + d), _mm512_loadu_ps(out + d)));
+      }
+    }
+    own[g] = {top, total};
+  }
 }
 
 // Per-thread working memory, sized for the largest task of the call. Every buffer starts on a 64-byte
@@ -482,6 +551,23 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
     }
   }
 #endif
+  // The first key a decode reads: past those it shares with other decodes, if any (SharedPrefixes exist
+  // only without a window).
+  auto first_key = [&](int64_t row) { return shared.empty() ? s.begin(lens[row]) : shared.keys[row]; };
+  int64_t num_parts = 0;
+  const std::vector<Task> tasks = tasks_of(tiles, lens, num_kv_heads, first_key, &num_parts);
+  std::vector<float> part_acc(num_parts * s.group * dim);  // merge_parts' inputs
+  std::vector<Normalizer> part_norms(num_parts * s.group);
+  // A decode's output (acc, normalized, with `own`), merged with its shared prefix's if it has one, to out.
+  auto finish_decode = [&](const Tile& tile, int64_t head, float* acc, const Normalizer* own) {
+    if (!shared.empty() && shared.slot[tile.first] >= 0) {
+      const int64_t first = shared.slot[tile.first] * heads + head * s.group;
+      for (int64_t g = 0; g < s.group; ++g) {
+        merge(acc + g * dim, dim, own[g], shared.out.data() + (first + g) * dim, shared.norms[first + g]);
+      }
+    }
+    store_tile(s, out_ptr + (tile.first * heads + head * s.group) * dim, heads * dim, 1, acc);
+  };
   auto attend_tasks = [&](int64_t begin, int64_t end) {
     if (begin == end) return;
     Scratch w(s, longest, tile_rows);
@@ -490,24 +576,21 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
     std::optional<PackedAttention> unit;  // made at this share's first task on the tile unit, if it has one
 #endif
     const __m512 scale = _mm512_set1_ps(s.scale);
-    // The first key a decode reads here: past those it shares with other decodes, if any (SharedPrefixes
-    // exist only without a window).
-    auto first_key = [&](int64_t row) { return shared.empty() ? s.begin(lens[row]) : shared.keys[row]; };
-    auto upcoming = [&](int64_t task) {  // the context of this share's task after `task`, if any
+    auto upcoming = [&](int64_t task) {  // the keys of this share's task after `task`, if any
       Upcoming<T> next;
       if (task + 1 < end) {
-        const Tile nt = tiles[(task + 1) / num_kv_heads];
-        const int64_t nh = (task + 1) % num_kv_heads, next_len = lens[nt.first];
-        const int64_t next_first = first_key(nt.first) / s.block_size;
-        next = {k_ptr + nh * s.head_stride, v_ptr + nh * s.head_stride,
-                table + requests[nt.first] * s.max_blocks + next_first,
-                (next_len + s.block_size - 1) / s.block_size - next_first};
+        const Task& nt = tasks[task + 1];
+        const int64_t first_block = nt.begin / s.block_size;
+        next = {k_ptr + nt.head * s.head_stride, v_ptr + nt.head * s.head_stride,
+                table + requests[tiles[nt.tile].first] * s.max_blocks + first_block,
+                (nt.end + s.block_size - 1) / s.block_size - first_block};
       }
       return next;
     };
     for (int64_t task = begin; task < end; ++task) {
-      const Tile tile = tiles[task / num_kv_heads];
-      const int64_t head = task % num_kv_heads, len = lens[tile.first];
+      const Task& t = tasks[task];
+      const Tile tile = tiles[t.tile];
+      const int64_t head = t.head, len = t.end;
       const int64_t* blocks = table + requests[tile.first] * s.max_blocks;
       const T* keys = k_ptr + head * s.head_stride;
       const T* values = v_ptr + head * s.head_stride;
@@ -518,8 +601,7 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
         if (packed && (tile.count >= kPackedTileRows || (amx && tile.count == 1 && PackedAttention::takes_decodes(s)))) {
           if (!unit) unit.emplace(s, num_kv_heads);
           if (tile.count == 1) {
-            unit->attend_decode(q_tile, first_key(tile.first), len, keys, values, blocks, upcoming(task), w.acc,
-                                own.data());
+            unit->attend_decode(q_tile, t.begin, len, keys, values, blocks, upcoming(task), w.acc, own.data());
           } else {
             unit->attend(q_tile, tile.count, len, requests[tile.first], head, keys, values, blocks, w.acc);
           }
@@ -530,8 +612,8 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (!attended && tile.count == 1 && dot) {
-          attend_decode_dot(s, w, q_ptr + tile.first * s.q_stride + head * s.group * dim, first_key(tile.first), len,
-                            keys, values, blocks, upcoming(task), own.data());
+          attend_decode_dot(s, w, q_ptr + tile.first * s.q_stride + head * s.group * dim, t.begin, len, keys, values,
+                            blocks, upcoming(task), own.data());
           attended = true;
         }
       }
@@ -544,24 +626,41 @@ void attend(const Shape s, const at::Tensor& out, const at::Tensor& q, const at:
           }
         }
         if (tile.count == 1) {  // a decode: stream the context once for the group's heads
-          attend_decode(s, w, first_key(tile.first), len, keys, values, blocks, upcoming(task), own.data());
+          attend_decode(s, w, t.begin, len, keys, values, blocks, upcoming(task), own.data());
         } else {
           attend_tile(s, w, tile.count, len, keys, values, blocks);
         }
       }
-      if (tile.count == 1 && !shared.empty() && shared.slot[tile.first] >= 0) {
-        const int64_t first = shared.slot[tile.first] * heads + head * s.group;
-        for (int64_t g = 0; g < s.group; ++g) {
-          merge(w.acc + g * dim, dim, own[g], shared.out.data() + (first + g) * dim, shared.norms[first + g]);
-        }
+      if (t.part >= 0) {  // one part of a decode's keys: kept for merge_parts
+        std::copy(w.acc, w.acc + s.group * dim, part_acc.data() + t.part * s.group * dim);
+        std::copy(own.begin(), own.end(), part_norms.begin() + t.part * s.group);
+      } else if (tile.count == 1) {
+        finish_decode(tile, head, w.acc, own.data());
+      } else {
+        store_tile(s, out_ptr + (tile.first * heads + head * s.group) * dim, heads * dim, tile.count, w.acc);
       }
-      store_tile(s, out_ptr + (tile.first * heads + head * s.group) * dim, heads * dim, tile.count, w.acc);
     }
   };
-  const std::vector<int64_t> shares = shares_of(tiles, lens, shared.keys, s, num_kv_heads, at::get_num_threads());
+  const std::vector<int64_t> shares = shares_of(tasks, tiles, lens, s, at::get_num_threads());
   at::parallel_for(0, static_cast<int64_t>(shares.size()) - 1, 1, [&](int64_t first_share, int64_t last_share) {
     for (int64_t share = first_share; share < last_share; ++share) attend_tasks(shares[share], shares[share + 1]);
   });
+  if (num_parts == 0) return;
+  Scratch merged(s, 1, 1);  // its acc: 64-byte aligned, as store_tile reads it
+  std::vector<Normalizer> own(s.group);
+  for (size_t i = 0; i < tasks.size();) {  // each split decode's parts, consecutive tasks
+    if (tasks[i].part < 0) {
+      ++i;
+      continue;
+    }
+    size_t n = 1;
+    while (i + n < tasks.size() && tasks[i + n].tile == tasks[i].tile && tasks[i + n].head == tasks[i].head) ++n;
+    const int64_t first = tasks[i].part;
+    merge_parts(s.group, dim, part_acc.data() + first * s.group * dim, part_norms.data() + first * s.group,
+                static_cast<int64_t>(n), merged.acc, own.data());
+    finish_decode(tiles[tasks[i].tile], tasks[i].head, merged.acc, own.data());
+    i += n;
+  }
 }
 
 // Turns paged attention's VDPBF16PS path on or off (tests and benchmarks compare it with the fp32 path);
