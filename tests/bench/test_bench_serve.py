@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import math
+import random
 import statistics
 import urllib.request
 from collections.abc import Callable
@@ -18,7 +19,15 @@ import pytest
 from support.sse_server import HITS_PER_REPLY, PROMPT_TOKENS, TOKENS_PER_REPLY
 
 from cadence.bench.cli import register
-from cadence.bench.datasets import BenchRequest, prefix_repetition_requests, trace_requests
+from cadence.bench.datasets import (
+    SHAREGPT_LIKE,
+    BenchRequest,
+    length_mix_requests,
+    prefix_repetition_requests,
+    random_requests,
+    text_of_length,
+    trace_requests,
+)
 from cadence.bench.metrics import compute_metrics
 from cadence.bench.serve import (
     ServeTarget,
@@ -86,6 +95,28 @@ def test_prefix_repetition_prompts_share_their_prefixes_and_differ_after() -> No
     assert prompts[0][:20] == prompts[2][:20] == prompts[4][:20] != prompts[1][:20] == prompts[3][:20]
     assert len({tuple(p[20:]) for p in prompts}) == 6
     assert prompts == [list(r.prompt) for r in prefix_repetition_requests(6, 20, 5, 2, 9, 1000, seed=3)]
+
+
+def test_prompt_texts_encode_to_their_lengths_as_vllms_client_makes_them(smollm2_tokenizer: Any) -> None:
+    """Random token ids decoded to text encode back to more tokens (SmolLM2: 128 -> 128-139), which
+    spilled a burst of prompts into one prefill step more than vLLM's client sends. Each workload's
+    texts now encode to their requests' lengths, and prompts that share a prefix still share its text."""
+    tokenizer = smollm2_tokenizer
+    vocab = tokenizer.vocab_size
+    requests = [*random_requests(24, 128, 8, 0.0, vocab, seed=0), *length_mix_requests(8, SHAREGPT_LIKE, vocab, 1),
+                *prefix_repetition_requests(6, prefix_len=200, suffix_len=30, num_prefixes=2, output_len=8,
+                                            vocab_size=vocab, seed=2)]
+
+    def length(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    assert sum(length(tokenizer.decode(r.prompt)) != r.prompt_len for r in requests) > len(requests) // 2
+    texts = [text_of_length(tokenizer, list(r.prompt), random.Random(i)) for i, r in enumerate(requests)]
+    assert [length(text) for text in texts] == [r.prompt_len for r in requests]
+    shared = [texts[-6:][i::2] for i in range(2)]  # prefix_repetition_requests alternates its prefixes
+    for group, other in zip(shared, reversed(shared), strict=True):
+        head = len(tokenizer.decode(list(requests[-6].prompt)[:190]))
+        assert len({text[:head] for text in group}) == 1 and group[0][:head] != other[0][:head]
 
 
 def test_the_counters_parse_under_either_servers_names() -> None:

