@@ -4,7 +4,7 @@
 fuses a decoder layer's per-token ops (RMSNorm with its residual add, RoPE, SiLU-and-multiply);
 ``bf16_linear.cpp`` is the bf16 GEMM of the linear layers on CPUs with AVX512-BF16,
 ``quant_linear.cpp`` the GEMM over quantized weights on CPUs with AVX512-VNNI; ``greedy.cpp``
-is the sampler's argmax.
+is the sampler's argmax, ``race.cpp`` its random choice (an exponential race).
 The build runs once per set of sources: about 80 CPU-seconds here (41-48 s on 2 cores), so it says so
 on the ``cadence.startup`` logger before and after, with a progress bar of the files compiled on a
 terminal. It goes into a folder of cadence's cache, ``<cache>/kernels/<key>/`` (:func:`cadence.config.cache_dir`:
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 _NAME = "cadence_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("paged_attention.cpp", "attention_packed.cpp", "decode_dot.cpp", "layer_ops.cpp", "bf16_linear.cpp",
-            "quant_linear.cpp", "quant_rows.cpp", "greedy.cpp", "decoder_stack.cpp")
+            "quant_linear.cpp", "quant_rows.cpp", "greedy.cpp", "race.cpp", "decoder_stack.cpp")
 # The instruction sets the kernels use (the build targets exactly these, not the build machine); no
 # contraction of a multiply and an add into one FMA where torch rounds the product first.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]

@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from cadence.backends.cpu_kernels import cpu_ops
+from cadence.executor import token_choice
 from cadence.executor.sampler import Sampler
 from cadence.executor.sampling_plan import SamplingRow
 from cadence.sampling_params import SamplingParams
@@ -49,6 +51,17 @@ def sample_many(logits_row: torch.Tensor, params: SamplingParams, n: int = 20_00
     torch.manual_seed(0)
     rows = [row(params)] * n
     return Sampler()(logits_row.expand(n, -1).contiguous(), rows).token_ids
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def race(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The random rows' exponential race in the C++ kernel (``csrc/race.cpp``, where the CPU has
+    AVX-512) or in torch ops (elsewhere)."""
+    if request.param == "torch":
+        monkeypatch.setattr(token_choice, "_races_in_kernel", lambda probs: False)
+    elif not token_choice._races_in_kernel(torch.zeros(1, 2)) or cpu_ops() is None:
+        pytest.skip("the race kernel runs on CPUs with AVX-512 only")
+    return str(request.param)
 
 
 @pytest.fixture
@@ -156,17 +169,20 @@ def test_tiny_top_p_picks_argmax(logits: torch.Tensor) -> None:
         assert Sampler()(logits, [row(params)] * len(logits)).token_ids == logits.argmax(-1).tolist()
 
 
+@pytest.mark.usefixtures("race")
 def test_temperature_distribution() -> None:
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     tokens = sample_many(probs.log(), SamplingParams(temperature=0.5))
     assert_follows(tokens, probs**2)  # p^(1/T), renormalised
 
 
+@pytest.mark.usefixtures("race")
 def test_plain_sampling_distribution() -> None:
     logits = torch.randn(20, generator=torch.Generator().manual_seed(4))
     assert_follows(sample_many(logits, SamplingParams()), logits.softmax(-1))
 
 
+@pytest.mark.usefixtures("race")
 def test_min_p_distribution() -> None:
     probs = torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04])
     # min_p 0.2 -> threshold 0.1: the last two go, the rest renormalise.
@@ -174,12 +190,14 @@ def test_min_p_distribution() -> None:
     assert_follows(tokens, torch.tensor([0.5, 0.25, 0.15, 0.0, 0.0]))
 
 
+@pytest.mark.usefixtures("race")
 def test_top_k_distribution() -> None:
     probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
     tokens = sample_many(probs.log(), SamplingParams(top_k=2))
     assert_follows(tokens, torch.tensor([0.0, 0.4, 0.0, 0.3]))
 
 
+@pytest.mark.usefixtures("race")
 def test_top_p_distribution() -> None:
     probs = torch.tensor([0.2, 0.4, 0.1, 0.3])
     # Kept while the mass strictly above a token is < 0.6: 0.4 (0), 0.3 (0.4); 0.2 has 0.7 above.
@@ -187,6 +205,7 @@ def test_top_p_distribution() -> None:
     assert_follows(tokens, torch.tensor([0.0, 0.4, 0.0, 0.3]))
 
 
+@pytest.mark.usefixtures("race")
 def test_top_p_matches_sort_based_reference_on_a_wide_vocab() -> None:
     # A flat distribution: many tokens in the nucleus and several rejection rounds per row.
     logits = torch.randn(100, generator=torch.Generator().manual_seed(5))
@@ -206,6 +225,7 @@ def test_top_p_matches_sort_based_reference_on_a_wide_vocab() -> None:
     SamplingParams(temperature=1.0, seed=1234),
     SamplingParams(temperature=0.7, top_p=0.5, top_k=30, min_p=0.01, seed=-7),
 ])
+@pytest.mark.usefixtures("race")
 def test_seeded_row_ignores_batch_composition_and_position(params: SamplingParams) -> None:
     gen = torch.Generator().manual_seed(6)
     target = torch.randn(V, generator=gen)
@@ -228,6 +248,7 @@ def test_seeded_row_ignores_batch_composition_and_position(params: SamplingParam
         assert Sampler()(batch, rows).token_ids[pos] == alone[step]
 
 
+@pytest.mark.usefixtures("race")
 def test_reused_sampler_matches_fresh_ones_across_batch_sizes() -> None:
     # The sampler keeps its plan and buffers between calls; shrinking and growing must not leak.
     gen = torch.Generator().manual_seed(7)
@@ -239,6 +260,7 @@ def test_reused_sampler_matches_fresh_ones_across_batch_sizes() -> None:
         assert reused(logits, rows).token_ids == Sampler()(logits, rows).token_ids
 
 
+@pytest.mark.usefixtures("race")
 def test_unseeded_rows_follow_the_global_seed(logits: torch.Tensor) -> None:
     rows = [row(SamplingParams(temperature=3.0))] * len(logits)
     torch.manual_seed(12)

@@ -107,6 +107,31 @@ namespace cadence {
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u); }
 
+// A row's argmax taken 16 values at a time, in order: each lane keeps its largest value and the
+// first index it saw it at (a strict comparison keeps the earlier one on ties), and the smallest index
+// among the lanes' maxima wins (0 for a row of -inf); NaN is never taken. greedy.cpp's, race.cpp's.
+class LaneArgmax {
+ public:
+  // The row's next 16 values; only `lanes` of them compete.
+  void take(__m512 v, __mmask16 lanes = 0xFFFF) {
+    const __mmask16 better = _mm512_mask_cmp_ps_mask(lanes, v, best_, _CMP_GT_OQ);
+    best_ = _mm512_mask_mov_ps(best_, better, v);
+    where_ = _mm512_mask_mov_epi32(where_, better, index_);
+    index_ = _mm512_add_epi32(index_, _mm512_set1_epi32(16));
+  }
+
+  int64_t first_max() const {
+    const float top = _mm512_reduce_max_ps(best_);
+    const __mmask16 at_top = _mm512_cmp_ps_mask(best_, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(at_top, where_);
+  }
+
+ private:
+  __m512 best_ = _mm512_set1_ps(-INFINITY);
+  __m512i where_ = _mm512_setzero_si512();
+  __m512i index_ = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+};
+
 // `bytes` from p fetched into the cache level of Hint, a line at a time.
 template <_mm_hint Hint = _MM_HINT_T0, typename T>
 inline void prefetch_block(const T* p, int64_t bytes) {
