@@ -195,7 +195,7 @@ def by_vllm_client(ns: argparse.Namespace, servers: dict[str, str], folder: str)
     if load.dataset_name != "random" or load.dataset_path:
         raise SystemExit("--vllm-client measures the random dataset only; drop the workload's dataset flags")
     workload = vllm_client.RandomWorkload(load.num_prompts, load.max_concurrency, load.input_len, load.output_len,
-                                          load.range_ratio, load.seed)
+                                          load.range_ratio, load.seed, load.temperature)
     figures = [key for key, _, _ in _SERVING_FIGURES]  # what comparison_table reads
     return {name: vllm_client.measure(ns.vllm_client, url, folder, workload, figures) for name, url in servers.items()}
 

@@ -52,6 +52,7 @@ class ServeTarget:
     model: str
     api_key: str | None
     ignore_eos: bool
+    temperature: float = 0.0
 
 
 def arrival_delays(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
@@ -77,7 +78,7 @@ def arrival_offsets(requests: Sequence[BenchRequest], request_rate: float, burst
 def request_body(target: ServeTarget, request: BenchRequest, prompt: str | list[int]) -> dict[str, Any]:
     """The streaming request's JSON body; a trace's priority, user and extra_args go with it."""
     body: dict[str, Any] = {"model": target.model, "max_tokens": request.output_len, "stream": True,
-                            "stream_options": {"include_usage": True}, "temperature": 0.0}
+                            "stream_options": {"include_usage": True}, "temperature": target.temperature}
     if target.ignore_eos:
         body["ignore_eos"] = True
     if target.endpoint == _CHAT:
@@ -249,6 +250,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128, help="random dataset: mean prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sent with every request (default 0: greedy; vLLM 0.32's client sends none, so its "
+                             "requests sample at the server's default, 1)")
     parser.add_argument("--dataset-path", default=None,
                         help="ShareGPT .json or .jsonl of {prompt, output_len}; "
                              "with --dataset-name trace, a trace file (any format of --trace-format)")
@@ -322,7 +326,7 @@ def measure(ns: argparse.Namespace, requests: Sequence[BenchRequest] | None = No
         requests, prompts = build_prompts(ns)
     base_url = ns.base_url.rstrip("/")
     model = ns.model or asyncio.run(served_model(base_url, ns.api_key))
-    target = ServeTarget(base_url, ns.endpoint, model, ns.api_key, ns.ignore_eos)
+    target = ServeTarget(base_url, ns.endpoint, model, ns.api_key, ns.ignore_eos, ns.temperature)
     probe = ServerCountersProbe(base_url, auth_headers(ns.api_key))
 
     async def load() -> tuple[list[RequestRecord], float, float]:

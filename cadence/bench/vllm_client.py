@@ -28,8 +28,10 @@ RUNNER = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentPar
 class RandomWorkload:
     """vLLM's random dataset: ``num_prompts`` prompts of ``input_len`` random tokens, ``output_len``
     tokens out with EOS ignored (both lengths drawn within ``range_ratio`` of those), at most
-    ``max_concurrency`` in flight, drawn with ``seed``: the flags of cadence's ``bench serve`` random
-    dataset, whose defaults these are but for goal 1's 64 prompts and 32 clients."""
+    ``max_concurrency`` in flight, drawn with ``seed``, sampled at ``temperature``: the flags of
+    cadence's ``bench serve`` random dataset, whose defaults these are but for goal 1's 64 prompts and
+    32 clients. The temperature is always sent: vLLM 0.32's client leaves it to the server otherwise
+    (1 on both servers), where cadence's client asks for greedy tokens."""
 
     num_prompts: int = 64
     max_concurrency: int = 32
@@ -37,12 +39,13 @@ class RandomWorkload:
     output_len: int = 128
     range_ratio: float = 0.0
     seed: int = 0
+    temperature: float = 0.0
 
     def arguments(self) -> list[str]:
         return ["--dataset-name", "random", "--random-input-len", str(self.input_len),
                 "--random-output-len", str(self.output_len), "--random-range-ratio", str(self.range_ratio),
                 "--num-prompts", str(self.num_prompts), "--max-concurrency", str(self.max_concurrency),
-                "--seed", str(self.seed), "--ignore-eos"]
+                "--seed", str(self.seed), "--temperature", str(self.temperature), "--ignore-eos"]
 
 
 def client_command(python: str, base_url: str, tokenizer: str, workload: RandomWorkload, result: Path) -> list[str]:

@@ -201,6 +201,8 @@ def test_a_trace_replays_at_its_own_times_with_its_token_ids_and_fields(tmp_path
         "model": "m", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True},
         "temperature": 0.0, "prompt": [7, 8, 9, 10], "user": "ann", "vllm_xargs": {"deadline_s": 1.5}}
     assert request_body(target, second, "text")["priority"] == 2
+    hot = ServeTarget("http://h", "/v1/completions", "m", None, ignore_eos=False, temperature=1.0)
+    assert request_body(hot, second, "text")["temperature"] == 1.0
     # Synthetic arrivals: the running sums of the gaps.
     gaps = arrival_delays(3, 4.0, 1.0, seed=2)
     assert arrival_offsets([BenchRequest([1], 1, 1)] * 3, 4.0, 1.0, 2) == [gaps[0], gaps[0] + gaps[1], sum(gaps)]

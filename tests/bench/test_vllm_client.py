@@ -42,15 +42,15 @@ def _stand_in(tmp_path: Path, exit_code: int = 0) -> Path:
 
 
 def test_the_command_is_goal_1s_workload_through_vllms_cli_parser(tmp_path: Path) -> None:
-    command = client_command("/venv/bin/python", "http://127.0.0.1:8000", "/models/smollm2", RandomWorkload(seed=5),
-                             tmp_path / "out.json")
+    command = client_command("/venv/bin/python", "http://127.0.0.1:8000", "/models/smollm2",
+                             RandomWorkload(seed=5, temperature=0.7), tmp_path / "out.json")
     assert command == [
         "/venv/bin/python", "-c", vllm_client.RUNNER, "--backend", "openai", "--endpoint", "/v1/completions",
         "--base-url", "http://127.0.0.1:8000", "--tokenizer", "/models/smollm2", "--dataset-name", "random",
         "--random-input-len", "128", "--random-output-len", "128", "--random-range-ratio", "0.0", "--num-prompts",
-        "64", "--max-concurrency", "32", "--seed", "5", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
-        "--result-filename", "out.json"]
+        "64", "--max-concurrency", "32", "--seed", "5", "--temperature", "0.7", "--ignore-eos",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "out.json"]
     compile(vllm_client.RUNNER, "<runner>", "exec")  # the -c program is Python
 
 
