@@ -7,7 +7,7 @@ its own generator, seeded by the request's seed and its output position.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -79,7 +79,7 @@ def _sample(
         pos: _row_generator(seed, len(rows[row].output_token_ids), logits.device)
         for pos, row, seed in plan.seeded
     }
-    tokens = _race(probs, ws.take("noise", probs), list(generators.items()))
+    tokens = _race(probs, lambda like: ws.take("noise", like), list(generators.items()))
     if plan.top_p_rows is not None and plan.top_p is not None:
         nucleus_probs = probs if plan.top_p_all else probs[plan.top_p_rows]
         scratch = ws.take("x", nucleus_probs)  # x is dead once probs exist
@@ -132,7 +132,7 @@ def _resample_outside_top_p(
         row_gens = []
         if generators:
             row_gens = [(j, generators[a]) for j, a in enumerate(active.tolist()) if a in generators]
-        tokens.index_copy_(0, active, _race(p, scratch[: p.shape[0]], row_gens))
+        tokens.index_copy_(0, active, _race(p, lambda like: scratch[: like.shape[0]], row_gens))
     _take_most_likely(probs, tokens, active, local)
 
 
@@ -149,9 +149,12 @@ def _take_most_likely(probs: torch.Tensor, tokens: torch.Tensor, rows: torch.Ten
 
 
 def _race(
-    probs: torch.Tensor, noise: torch.Tensor, row_generators: list[tuple[int, torch.Generator]]
+    probs: torch.Tensor,
+    noise_like: Callable[[torch.Tensor], torch.Tensor],
+    row_generators: list[tuple[int, torch.Generator]],
 ) -> torch.Tensor:
-    """One exponential race per row, with ``noise`` (same shape as ``probs``) as the buffer.
+    """One exponential race per row; ``noise_like(probs)`` gives the torch ops a buffer shaped like
+    ``probs``, taken only where they run (the kernel needs none).
 
     argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d. picks i with probability p_i / sum(p). Where the
     C++ kernel runs (AVX-512) each row draws one 64-bit key, and the kernel makes its E_i from the
@@ -167,6 +170,7 @@ def _race(
         for row, generator in row_generators:
             keys[row] = torch.empty(1, dtype=torch.long).random_(generator=generator)[0]
         return ops.race_rows(probs, keys)
+    noise = noise_like(probs)
     if len(row_generators) < noise.shape[0]:
         noise.uniform_()
     for row, generator in row_generators:
