@@ -66,12 +66,10 @@ inline __m512 log16(__m512 x) {
 // The winner of the row's race: the index of the largest p_i / E_i (the first, on ties).
 int64_t row_race(const float* p, int64_t n, uint64_t key) {
   LaneArgmax argmax;
-  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 valid = tail_mask(n - i);
-    const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), log16(uniform16(index, key)));
+    const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), log16(uniform16(argmax.index(), key)));
     argmax.take(_mm512_div_ps(_mm512_maskz_loadu_ps(valid, p + i), e), valid);
-    index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
   }
   return argmax.first_max();
 }

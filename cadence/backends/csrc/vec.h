@@ -120,6 +120,9 @@ class LaneArgmax {
     index_ = _mm512_add_epi32(index_, _mm512_set1_epi32(16));
   }
 
+  // The row's indices of the 16 values `take` expects next.
+  __m512i index() const { return index_; }
+
   int64_t first_max() const {
     const float top = _mm512_reduce_max_ps(best_);
     const __mmask16 at_top = _mm512_cmp_ps_mask(best_, _mm512_set1_ps(top), _CMP_EQ_OQ);
