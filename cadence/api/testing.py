@@ -19,10 +19,19 @@ from pathlib import Path
 from typing import TypeVar
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def reserve_port() -> socket.socket:
+    """A socket bound (not listening) to a free port of 127.0.0.1, with SO_REUSEADDR.
+
+    While it is open, the kernel gives that port to no other ``bind(0)`` (another test's in-process
+    server, a client's outgoing connection), yet a server that also sets SO_REUSEADDR (aiohttp,
+    uvicorn, llama.cpp's server all do) may bind and listen on it. A port merely found free and
+    released would stay free only by luck while the server starts: CI once saw another test's
+    in-process server take it, answer ``/health``, and receive this server's tests.
+    """
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 _Server = TypeVar("_Server", bound="HTTPServerProcess")
@@ -33,12 +42,15 @@ class HTTPServerProcess:
 
     Use as a context manager; leaving it sends SIGTERM and waits for the exit (SIGKILL after
     :meth:`stop`'s ``timeout_s``). Its output goes to ``log_path`` (read it when a test fails).
-    ``ready_after_s`` is how long the last :meth:`start` took, from launch to healthy.
+    ``ready_after_s`` is how long the last :meth:`start` took, from launch to healthy. The port is
+    reserved (:func:`reserve_port`) from construction until the first start ends, so the server that
+    answers ``/health`` is this one.
     """
 
     def __init__(self, command: Callable[[int], Sequence[str]], *, log_path: Path, startup_timeout_s: float = 180.0,
                  env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+        self._reservation: socket.socket | None = reserve_port()
+        self.port = int(self._reservation.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._args = list(command(self.port))
@@ -55,6 +67,14 @@ class HTTPServerProcess:
         self.stop()
 
     def start(self) -> None:
+        try:
+            self._start()
+        finally:
+            if self._reservation is not None:  # the server listens now (or failed): it holds the port
+                self._reservation.close()
+                self._reservation = None
+
+    def _start(self) -> None:
         launched = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT, env=self._env)

@@ -4,7 +4,9 @@ records its command line and answers ``/health`` only after a delay, as a server
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 import stat
 import sys
 import textwrap
@@ -63,6 +65,16 @@ def test_a_server_is_ready_once_its_health_says_200_and_is_stopped_on_leaving(st
         assert server.process is not None and server.process.poll() is None
     assert server.process.poll() is not None
     assert server.health() is None
+
+
+def test_its_port_is_no_one_else_s_while_it_starts(stand_in: Path, tmp_path: Path) -> None:
+    """Held from construction: another test's in-process server cannot take it and answer ``/health``."""
+    server = HTTPServerProcess(lambda port: [str(stand_in), "--port", str(port)], log_path=tmp_path / "log")
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("127.0.0.1", server.port))
+    assert taken.value.errno == errno.EADDRINUSE
+    with server:
+        assert server.health() == 200
 
 
 def test_a_server_that_exits_while_starting_says_so_with_its_output(tmp_path: Path) -> None:
