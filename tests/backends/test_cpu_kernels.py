@@ -358,6 +358,41 @@ def test_argmax_rows_is_torch_argmax(vocab: int) -> None:
         assert torch.equal(cpu_ops().argmax_rows(rows), rows.argmax(dim=-1))
 
 
+def _race_case() -> tuple[torch.Tensor, torch.Tensor]:
+    """48 rows of 1,003 tokens (a tail past both paths' lanes) with probabilities of 1 to 1,000 parts,
+    and one key per row spread over the 64 bits (both halves feed the hash)."""
+    index = torch.arange(48 * 1003, dtype=torch.long)
+    probs = ((index * 2654435761) % 1000 + 1).to(torch.float32).reshape(48, 1003)
+    keys = torch.tensor([(r * 0x9E3779B97F4A7C15 + 12345) % 2**64 - 2**63 for r in range(48)], dtype=torch.long)
+    return probs, keys
+
+
+# race_rows' winners of _race_case() on the AVX-512 path; the AVX2 path's must be the same.
+_RACE_WINNERS = [499, 136, 8, 469, 691, 718, 204, 611, 714, 923, 372, 740, 1002, 711, 395, 276, 510, 654, 775, 111, 371,
+                 290, 62, 534, 930, 642, 533, 921, 801, 123, 117, 20, 563, 270, 338, 106, 775, 909, 919, 974, 165, 611,
+                 987, 68, 237, 895, 586, 645]
+
+
+def test_race_rows_picks_the_same_tokens_on_every_path() -> None:
+    """The hash and logarithm of ``csrc/race.cpp`` run in 16 lanes on AVX-512 and 8 on AVX2 with the
+    same operations: the same keys must pick the same tokens (a seeded request samples alike anywhere)."""
+    probs, keys = _race_case()
+    assert cpu_ops().race_rows(probs, keys).tolist() == _RACE_WINNERS
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 9, 16, 17, 1003])
+def test_race_rows_reaches_every_token_and_no_other(vocab: int) -> None:
+    """A row's only nonzero probability wins wherever it lies (first lane, a chunk's edge, the tail),
+    and no lane past the row's end ever does, whatever the key."""
+    keys = torch.arange(-20, 20, dtype=torch.long) * 0x0123456789ABCDEF
+    for at in sorted({0, vocab // 2, max(0, vocab - 8), vocab - 1}):
+        probs = torch.zeros(len(keys), vocab)
+        probs[:, at] = 0.25
+        assert cpu_ops().race_rows(probs, keys).tolist() == [at] * len(keys)
+    wide = torch.rand(len(keys), vocab + 64, generator=torch.Generator().manual_seed(vocab))
+    assert int(cpu_ops().race_rows(wide[:, :vocab], keys).max()) < vocab  # strided rows, the rest never read
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 40)])
 def test_rotary_embedding_rotates_q_and_k_in_place_like_transformers(dtype: torch.dtype, heads: int,
