@@ -46,6 +46,7 @@ class RandomPlan:
     top_p_rows: torch.Tensor | None  # positions (among the sampled rows) whose top_p < 1
     top_p_all: bool  # every sampled row has top_p < 1
     top_p: torch.Tensor | None  # [len(top_p_rows)]
+    top_p_by_row: torch.Tensor | None  # [R]: every sampled row's top_p (1 where off), as the race kernel takes it
     seeded: list[tuple[int, int, int]]  # (position among the sampled rows, batch row, seed)
 
 
@@ -139,6 +140,7 @@ def _build_random_plan(
         top_p_rows=_long(top_p_rows, device) if top_p_rows else None,
         top_p_all=len(top_p_rows) == len(rparams),
         top_p=_float([rparams[j].top_p for j in top_p_rows], device) if top_p_rows else None,
+        top_p_by_row=_float([min(p.top_p, 1.0) for p in rparams], device) if top_p_rows else None,
         seeded=[(j, i, seed) for j, i in enumerate(random_rows) if (seed := params[i].seed) is not None],
     )
 

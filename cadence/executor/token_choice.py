@@ -7,7 +7,7 @@ its own generator, seeded by the request's seed and its output position.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -79,7 +79,11 @@ def _sample(
         pos: _row_generator(seed, len(rows[row].output_token_ids), logits.device)
         for pos, row, seed in plan.seeded
     }
-    tokens = _race(probs, lambda like: ws.take("noise", like), list(generators.items()))
+    ops = cpu_ops() if _races_in_kernel(probs) else None
+    if ops is not None:  # the race and top-p's rejection rounds, row by row in C++
+        keys = _race_keys(probs.shape[0], list(generators.items()))
+        return ops.race_rows(probs, keys, plan.top_p_by_row, _TOP_P_MAX_ROUNDS)
+    tokens = _race(probs, ws.take("noise", probs), list(generators.items()))
     if plan.top_p_rows is not None and plan.top_p is not None:
         nucleus_probs = probs if plan.top_p_all else probs[plan.top_p_rows]
         scratch = ws.take("x", nucleus_probs)  # x is dead once probs exist
@@ -95,7 +99,8 @@ def _resample_outside_top_p(
     top_p: torch.Tensor,
     generators: dict[int, torch.Generator],
 ) -> None:
-    """Make ``tokens[rows]`` draws from those rows' top-p nucleus, by rejection (in place).
+    """Make ``tokens[rows]`` draws from those rows' top-p nucleus, by rejection (in place), in torch
+    ops where the race kernel does not run (``csrc/race.cpp`` makes the same rounds row by row).
 
     ``probs`` holds the probabilities of ``rows`` (read only), ``tokens`` their first draws;
     ``scratch`` is a buffer of the same shape.
@@ -132,7 +137,7 @@ def _resample_outside_top_p(
         row_gens = []
         if generators:
             row_gens = [(j, generators[a]) for j, a in enumerate(active.tolist()) if a in generators]
-        tokens.index_copy_(0, active, _race(p, lambda like: scratch[: like.shape[0]], row_gens))
+        tokens.index_copy_(0, active, _race(p, scratch[: p.shape[0]], row_gens))
     _take_most_likely(probs, tokens, active, local)
 
 
@@ -148,35 +153,32 @@ def _take_most_likely(probs: torch.Tensor, tokens: torch.Tensor, rows: torch.Ten
         tokens.index_copy_(0, rows, _argmax(probs if local is None else probs[local]))
 
 
-def _race(
-    probs: torch.Tensor,
-    noise_like: Callable[[torch.Tensor], torch.Tensor],
-    row_generators: list[tuple[int, torch.Generator]],
-) -> torch.Tensor:
-    """One exponential race per row; ``noise_like(probs)`` gives the torch ops a buffer shaped like
-    ``probs``, taken only where they run (the kernel needs none).
+def _race(probs: torch.Tensor, noise: torch.Tensor, row_generators: list[tuple[int, torch.Generator]]
+          ) -> torch.Tensor:
+    """One exponential race per row by torch ops, in ``noise`` (a buffer shaped like ``probs``),
+    where the C++ kernel does not run (``_races_in_kernel``).
 
-    argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d. picks i with probability p_i / sum(p). Where the
-    C++ kernel runs (AVX-512 or AVX2) each row draws one 64-bit key, and the kernel makes its E_i
-    from the key in registers (``csrc/race.cpp``: 32 rows of 49,152 in 0.7 ms through AVX-512 and
-    1.4 through AVX2 on one machine, where the torch ops below took 6). Otherwise E is built as
+    argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d. picks i with probability p_i / sum(p). E is built as
     -log(U): on CPU that is ~6x faster than ``Tensor.exponential_``, and U < 1 keeps E > 0, so no
     token can win by a division by zero (U == 0 gives E = inf, which only drops that one token from
-    that one draw). Rows in ``row_generators`` draw their key, or U, from their own generator.
+    that one draw). Rows in ``row_generators`` draw U from their own generator.
     """
-    ops = cpu_ops() if _races_in_kernel(probs) else None
-    if ops is not None:
-        keys = torch.empty(probs.shape[0], dtype=torch.long).random_()
-        for row, generator in row_generators:
-            keys[row] = torch.empty(1, dtype=torch.long).random_(generator=generator)[0]
-        return ops.race_rows(probs, keys)
-    noise = noise_like(probs)
     if len(row_generators) < noise.shape[0]:
         noise.uniform_()
     for row, generator in row_generators:
         noise[row].uniform_(generator=generator)
     noise.log_().neg_()
     return _argmax(torch.div(probs, noise, out=noise))
+
+
+def _race_keys(rows: int, row_generators: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+    """The race kernel's 64-bit key per row (``csrc/race.cpp``: 32 rows of 49,152 in 0.7 ms through
+    AVX-512 and 1.4 through AVX2 on one machine, where the torch ops of :func:`_race` took 6): from
+    torch's default generator, so ``torch.manual_seed`` fixes them, or a seeded row's own."""
+    keys = torch.empty(rows, dtype=torch.long).random_()
+    for row, generator in row_generators:
+        keys[row] = torch.empty(1, dtype=torch.long).random_(generator=generator)[0]
+    return keys
 
 
 def _races_in_kernel(probs: torch.Tensor) -> bool:

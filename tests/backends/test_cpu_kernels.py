@@ -373,11 +373,39 @@ _RACE_WINNERS = [499, 136, 8, 469, 691, 718, 204, 611, 714, 923, 372, 740, 1002,
                  987, 68, 237, 895, 586, 645]
 
 
+# With top_p 1, 0.9, 0.5, 0.1 in turn (the probabilities above as parts of their row's sum).
+_TOP_P_WINNERS = [499, 136, 923, 217, 691, 718, 204, 611, 714, 923, 372, 193, 1002, 711, 134, 591, 510, 654, 775,
+                  102, 371, 290, 759, 906, 930, 642, 533, 396, 801, 123, 530, 20, 563, 270, 338, 372, 775, 325, 724,
+                  519, 165, 611, 987, 436, 237, 895, 586, 131]
+
+
 def test_race_rows_picks_the_same_tokens_on_every_path() -> None:
-    """The hash and logarithm of ``csrc/race.cpp`` run in 16 lanes on AVX-512 and 8 on AVX2 with the
-    same operations: the same keys must pick the same tokens (a seeded request samples alike anywhere)."""
+    """The hash, logarithm and top-p's sums of ``csrc/race.cpp`` run in 16 lanes on AVX-512 and 8 on
+    AVX2 with the same operations: the same keys must pick the same tokens (a seeded request samples
+    alike anywhere)."""
     probs, keys = _race_case()
     assert cpu_ops().race_rows(probs, keys).tolist() == _RACE_WINNERS
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.1] * 12)
+    assert cpu_ops().race_rows(probs / probs.sum(-1, keepdim=True), keys, top_p).tolist() == _TOP_P_WINNERS
+
+
+def test_race_rows_draws_inside_each_row_s_nucleus() -> None:
+    """A token is in a row's top-p nucleus iff the tokens more likely than it hold less than top_p;
+    a row whose draws all fall outside within ``max_rounds`` (or with top_p 0) takes its most likely."""
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(64, 1003, generator=gen) * 3, dim=-1)
+    top_p = torch.rand(64, generator=gen)
+    top_p[:4] = 0.0
+    keys = torch.randint(-2**62, 2**62, (64,), generator=gen)
+    winners = cpu_ops().race_rows(probs, keys, top_p)
+    chosen = probs.gather(1, winners[:, None])
+    mass_above = (probs.double() * (probs > chosen)).sum(-1)
+    most_likely = probs.argmax(-1)
+    inside = (mass_above < top_p.double() + 1e-6) | (winners == most_likely)
+    assert inside.all() and torch.equal(winners[:4], most_likely[:4])
+    assert len(set(winners.tolist()) - set(most_likely.tolist())) > 20  # not the most likely always
+    once = cpu_ops().race_rows(probs, keys, torch.full((64,), 1e-3), max_rounds=1)
+    assert torch.equal(once, most_likely)
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 9, 16, 17, 1003])

@@ -297,7 +297,8 @@ def test_a_top_p_of_zero_forced_into_the_plan_ends_with_the_argmax() -> None:
             row(SamplingParams(top_p=0.3, seed=2)), row(SamplingParams(top_p=0.7))]
     plan = build_plan(rows, 512, CPU)
     assert plan.random is not None and plan.random.top_p is not None
-    forced = dataclasses.replace(plan, random=dataclasses.replace(plan.random, top_p=torch.zeros(4)))
+    forced = dataclasses.replace(plan, random=dataclasses.replace(plan.random, top_p=torch.zeros(4),
+                                                                  top_p_by_row=torch.zeros(4)))
     for seed in range(10):
         torch.manual_seed(seed)
         tokens = within(30, lambda: choose_tokens(logits.clone(), True, rows, forced, Workspace()).tolist())

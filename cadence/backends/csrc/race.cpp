@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 namespace {
 
@@ -71,13 +72,38 @@ inline __m512 log16(__m512 x) {
   return _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Hi), _mm512_add_ps(f, y));
 }
 
-// The winner of the row's race: the index of the largest p_i / E_i (the first, on ties).
-int64_t row_race(const float* p, int64_t n, uint64_t key) {
+// The winner of the row's race: the index of the largest p_i / E_i (the first, on ties), where the
+// tokens with p_i <= floor race with p_i = 0 (dropped by earlier rounds of top-p).
+int64_t row_race(const float* p, int64_t n, uint64_t key, float floor) {
   LaneArgmax argmax;
+  const __m512 fl = _mm512_set1_ps(floor);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 valid = tail_mask(n - i);
     const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), log16(uniform16(argmax.index(), key)));
-    argmax.take(_mm512_div_ps(_mm512_maskz_loadu_ps(valid, p + i), e), valid);
+    const __m512 v = _mm512_maskz_loadu_ps(valid, p + i);
+    argmax.take(_mm512_div_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, fl, _CMP_GT_OQ), v), e), valid);
+  }
+  return argmax.first_max();
+}
+
+// The sum of the row's p_i above `chosen`, in 16 lanes, summed as the AVX2 path sums them.
+float mass_above(const float* p, int64_t n, float chosen) {
+  const __m512 c = _mm512_set1_ps(chosen);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), p + i);
+    acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(v, c, _CMP_GT_OQ), acc, v);
+  }
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+  return reduce_add8(_mm256_add_ps(high, _mm512_castps512_ps256(acc)));
+}
+
+// The row's most likely token (the first, on ties).
+int64_t most_likely(const float* p, int64_t n) {
+  LaneArgmax argmax;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 valid = tail_mask(n - i);
+    argmax.take(_mm512_maskz_loadu_ps(valid, p + i), valid);
   }
   return argmax.first_max();
 }
@@ -115,37 +141,95 @@ inline __m256 log8(__m256 x) {
   return _mm256_fmadd_ps(n, _mm256_set1_ps(kLn2Hi), _mm256_add_ps(f, y));
 }
 
-// Lanes past the row's end hold p = -inf, so p / E = -inf and they never win.
-int64_t row_race(const float* p, int64_t n, uint64_t key) {
+// The lanes past the row's end take part as -inf, which never wins.
+int64_t row_race(const float* p, int64_t n, uint64_t key, float floor) {
   LaneArgmax8 argmax;
+  const __m256 fl = _mm256_set1_ps(floor);
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 e = _mm256_sub_ps(_mm256_setzero_ps(), log8(uniform8(argmax.index(), key)));
-    argmax.take(_mm256_div_ps(load8(p + i, n - i, -INFINITY), e));
+    const __m256 v = load8(p + i, n - i, 0.0f);
+    const __m256 q = _mm256_div_ps(_mm256_and_ps(v, _mm256_cmp_ps(v, fl, _CMP_GT_OQ)), e);
+    argmax.take(n - i >= 8 ? q : _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), q, _mm256_castsi256_ps(tail_mask8(n - i))));
   }
+  return argmax.first_max();
+}
+
+// In 16 lanes as two halves (a lane not above adds +0, as AVX-512's masked add leaves it): the same sum.
+float mass_above(const float* p, int64_t n, float chosen) {
+  const __m256 c = _mm256_set1_ps(chosen);
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256 a = load8(p + i, n - i, 0.0f), b = load8(p + i + 8, n - i - 8, 0.0f);
+    low = _mm256_add_ps(low, _mm256_and_ps(a, _mm256_cmp_ps(a, c, _CMP_GT_OQ)));
+    high = _mm256_add_ps(high, _mm256_and_ps(b, _mm256_cmp_ps(b, c, _CMP_GT_OQ)));
+  }
+  return reduce_add8(_mm256_add_ps(high, low));
+}
+
+int64_t most_likely(const float* p, int64_t n) {
+  LaneArgmax8 argmax;
+  for (int64_t i = 0; i < n; i += 8) argmax.take(load8(p + i, n - i, -INFINITY));
   return argmax.first_max();
 }
 #endif
 
-// probs [B, V] fp32 with dense rows (any scale: a row need not sum to 1), keys [B] int64 -> [B] int64.
-at::Tensor race_rows(const at::Tensor& probs, const at::Tensor& keys) {
+// Round r > 0 of a row's top-p draws races with this key (splitmix64 of the row's key and r).
+uint64_t round_key(uint64_t key, int64_t round) {
+  uint64_t z = key + static_cast<uint64_t>(round) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// A row's token: its race's winner, or with top_p < 1 a draw from its nucleus by rejection, as
+// token_choice._resample_outside_top_p does it op by op: a token is in the nucleus iff the mass of the
+// tokens more likely than it is < top_p; a draw outside drops it and every less likely token, and the
+// row races again (with its next round's key). A row left with nothing to draw, or still rejected after
+// max_rounds draws (0: at once), takes its most likely token (in every nucleus).
+int64_t row_choice(const float* p, int64_t n, uint64_t key, float top_p, int64_t max_rounds) {
+  float floor = -1.0f;  // p >= 0: nothing dropped
+  if (!(top_p < 1.0f)) return row_race(p, n, key, floor);
+  for (int64_t round = 0; round < max_rounds; ++round) {
+    const int64_t token = row_race(p, n, round == 0 ? key : round_key(key, round), floor);
+    const float chosen = p[token];
+    if (!(chosen > floor && chosen > 0.0f)) break;
+    if (mass_above(p, n, chosen) < top_p) return token;
+    floor = chosen;
+  }
+  return most_likely(p, n);
+}
+
+// probs [B, V] fp32 with dense rows (any scale: a row need not sum to 1, but top-p reads it as
+// probabilities), keys [B] int64, top_p None or [B] float32 (1 where a row has none) -> [B] int64.
+at::Tensor race_rows(const at::Tensor& probs, const at::Tensor& keys, const std::optional<at::Tensor>& top_p,
+                     int64_t max_rounds) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.stride(1) == 1 && probs.size(1) > 0 &&
                   probs.size(1) <= INT32_MAX,
               "race_rows: probs must be [B, V] float32 with dense rows");
   TORCH_CHECK(keys.dim() == 1 && keys.scalar_type() == at::kLong && keys.is_contiguous() && keys.size(0) == probs.size(0),
               "race_rows: keys must be [B] int64, one per row");
+  TORCH_CHECK(!top_p || (top_p->dim() == 1 && top_p->scalar_type() == at::kFloat && top_p->is_contiguous() &&
+                         top_p->size(0) == probs.size(0)),
+              "race_rows: top_p must be [B] float32, one per row");
+  TORCH_CHECK(max_rounds >= 0, "race_rows: max_rounds must be at least 0");
   const int64_t rows = probs.size(0), n = probs.size(1), stride = probs.stride(0);
   at::Tensor out = at::empty({rows}, probs.options().dtype(at::kLong));
   const float* p = probs.data_ptr<float>();
   const int64_t* k = keys.data_ptr<int64_t>();
+  const float* tp = top_p ? top_p->data_ptr<float>() : nullptr;
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) o[r] = row_race(p + r * stride, n, static_cast<uint64_t>(k[r]));
+    for (int64_t r = begin; r < end; ++r) {
+      o[r] = row_choice(p + r * stride, n, static_cast<uint64_t>(k[r]), tp ? tp[r] : 1.0f, max_rounds);
+    }
   });
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) { m.def("race_rows(Tensor probs, Tensor keys) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(cadence_cpu, m) {
+  m.def("race_rows(Tensor probs, Tensor keys, Tensor? top_p=None, int max_rounds=64) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(cadence_cpu, CPU, m) { m.impl("race_rows", race_rows); }

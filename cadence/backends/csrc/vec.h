@@ -15,14 +15,25 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #include <climits>
+#endif
 
+namespace cadence {
+
+// The sum of 8 floats in the order GCC's _mm512_reduce_add_ps sums the halves of 16 (so the AVX-512 and
+// AVX2 paths of a kernel that halves its 16 lanes first sum alike).
+inline float reduce_add8(__m256 half) {
+  const __m128 quarter = _mm_add_ps(_mm256_extractf128_ps(half, 1), _mm256_castps256_ps128(half));
+  const __m128 pairs = _mm_add_ps(quarter, _mm_shuffle_ps(quarter, quarter, 0x4E));
+  return _mm_cvtss_f32(pairs) + _mm_cvtss_f32(_mm_shuffle_ps(pairs, pairs, 1));
+}
+
+}  // namespace cadence
+
+#if !defined(__AVX512F__)
 // The few intrinsics the kernels use that SIMDe 0.8.2 lacks, in GCC's own order of operations (so
 // that a reduction rounds as it does on AVX-512), and its masked loads and stores, replaced.
 inline float cadence_mm512_reduce_add_ps(simde__m512 a) {
-  const simde__m256 half = simde_mm256_add_ps(simde_mm512_extractf32x8_ps(a, 1), simde_mm512_castps512_ps256(a));
-  const simde__m128 quarter = simde_mm_add_ps(simde_mm256_extractf128_ps(half, 1), simde_mm256_castps256_ps128(half));
-  const simde__m128 pairs = simde_mm_add_ps(quarter, simde_mm_shuffle_ps(quarter, quarter, 0x4E));
-  return simde_mm_cvtss_f32(pairs) + simde_mm_cvtss_f32(simde_mm_shuffle_ps(pairs, pairs, 1));
+  return cadence::reduce_add8(simde_mm256_add_ps(simde_mm512_extractf32x8_ps(a, 1), simde_mm512_castps512_ps256(a)));
 }
 
 inline int cadence_mm512_reduce_add_epi32(simde__m512i a) {
