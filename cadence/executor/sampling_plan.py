@@ -43,6 +43,7 @@ class RandomPlan:
     top_k_index: torch.Tensor | None  # [R, 1], k - 1, 0 where off
     top_k_off: torch.Tensor | None  # [R, 1] bool
     top_k_max: int
+    top_k_by_row: torch.Tensor | None  # [R] int64: every sampled row's k (0 where off), as the filter kernel takes it
     top_p_rows: torch.Tensor | None  # positions (among the sampled rows) whose top_p < 1
     top_p_all: bool  # every sampled row has top_p < 1
     top_p: torch.Tensor | None  # [len(top_p_rows)]
@@ -137,6 +138,7 @@ def _build_random_plan(
         top_k_index=_long([max(k - 1, 0) for k in top_ks], device).unsqueeze(1) if any_top_k else None,
         top_k_off=torch.tensor([k == 0 for k in top_ks], device=device).unsqueeze(1) if any_top_k else None,
         top_k_max=max(top_ks),
+        top_k_by_row=_long(top_ks, device) if any_top_k else None,
         top_p_rows=_long(top_p_rows, device) if top_p_rows else None,
         top_p_all=len(top_p_rows) == len(rparams),
         top_p=_float([rparams[j].top_p for j in top_p_rows], device) if top_p_rows else None,

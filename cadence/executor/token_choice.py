@@ -65,21 +65,18 @@ def _sample(
         owned = True
     if not owned and (plan.log_min_p is not None or plan.top_k_index is not None):
         x = ws.take("x", x).copy_(x)
-    if plan.log_min_p is not None:
-        # p < min_p * p_max  <=>  logit < max_logit + log(min_p): no softmax needed.
-        x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + plan.log_min_p, _NEG_INF)
-    if plan.top_k_index is not None and plan.top_k_off is not None:
-        # Threshold at the k-th largest value (ties with it are kept, as in vLLM); one topk of the
-        # largest k in the batch instead of a full sort.
-        kth = x.topk(plan.top_k_max, dim=-1).values.gather(1, plan.top_k_index)
-        x.masked_fill_(x < kth.masked_fill_(plan.top_k_off, _NEG_INF), _NEG_INF)
+    ops = cpu_ops() if _rows_in_kernel(x) else None
+    if ops is not None and (plan.log_min_p is not None or plan.top_k_by_row is not None):
+        # csrc/logit_filters.cpp: the same tokens kept as the torch ops below, a row at a time
+        ops.filter_rows(x, plan.top_k_by_row, None if plan.log_min_p is None else plan.log_min_p.view(-1))
+    else:
+        _filter(x, plan)
     probs = torch.softmax(x, dim=-1, out=ws.take("probs", x))
 
     generators = {
         pos: _row_generator(seed, len(rows[row].output_token_ids), logits.device)
         for pos, row, seed in plan.seeded
     }
-    ops = cpu_ops() if _races_in_kernel(probs) else None
     if ops is not None:  # the race and top-p's rejection rounds, row by row in C++
         keys = _race_keys(probs.shape[0], list(generators.items()))
         return ops.race_rows(probs, keys, plan.top_p_by_row, _TOP_P_MAX_ROUNDS)
@@ -89,6 +86,18 @@ def _sample(
         scratch = ws.take("x", nucleus_probs)  # x is dead once probs exist
         _resample_outside_top_p(nucleus_probs, scratch, tokens, plan.top_p_rows, plan.top_p, generators)
     return tokens
+
+
+def _filter(x: torch.Tensor, plan: RandomPlan) -> None:
+    """Min-p, then top-k, by torch ops, in place (where ``filter_rows`` does not run)."""
+    if plan.log_min_p is not None:
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p): no softmax needed.
+        x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + plan.log_min_p, _NEG_INF)
+    if plan.top_k_index is not None and plan.top_k_off is not None:
+        # Threshold at the k-th largest value (ties with it are kept, as in vLLM); one topk of the
+        # largest k in the batch instead of a full sort.
+        kth = x.topk(plan.top_k_max, dim=-1).values.gather(1, plan.top_k_index)
+        x.masked_fill_(x < kth.masked_fill_(plan.top_k_off, _NEG_INF), _NEG_INF)
 
 
 def _resample_outside_top_p(
@@ -156,7 +165,7 @@ def _take_most_likely(probs: torch.Tensor, tokens: torch.Tensor, rows: torch.Ten
 def _race(probs: torch.Tensor, noise: torch.Tensor, row_generators: list[tuple[int, torch.Generator]]
           ) -> torch.Tensor:
     """One exponential race per row by torch ops, in ``noise`` (a buffer shaped like ``probs``),
-    where the C++ kernel does not run (``_races_in_kernel``).
+    where the C++ kernel does not run (``_rows_in_kernel``).
 
     argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d. picks i with probability p_i / sum(p). E is built as
     -log(U): on CPU that is ~6x faster than ``Tensor.exponential_``, and U < 1 keeps E > 0, so no
@@ -181,11 +190,12 @@ def _race_keys(rows: int, row_generators: list[tuple[int, torch.Generator]]) -> 
     return keys
 
 
-def _races_in_kernel(probs: torch.Tensor) -> bool:
-    """Whether ``race_rows`` takes ``probs``: fp32 rows on a CPU with AVX-512 or AVX2 (where the
-    kernels build; the two paths pick the same tokens)."""
-    return (probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
-            and probs.stride(1) == 1 and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2"))
+def _rows_in_kernel(x: torch.Tensor) -> bool:
+    """Whether the sampler's kernels (``filter_rows``, ``race_rows``) take ``x`` and the probabilities
+    made from it: fp32 rows on a CPU with AVX-512 or AVX2 (where the kernels build; the two paths
+    choose the same tokens)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+            and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2"))
 
 
 def _row_generator(seed: int, step: int, device: torch.device) -> torch.Generator:

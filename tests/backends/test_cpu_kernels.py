@@ -421,6 +421,39 @@ def test_race_rows_reaches_every_token_and_no_other(vocab: int) -> None:
     assert int(cpu_ops().race_rows(wide[:, :vocab], keys).max()) < vocab  # strided rows, the rest never read
 
 
+def _filtered_by_definition(x: torch.Tensor, top_k: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
+    """Min-p (logits below max + log(min_p)), then top-k of what is left (below the k-th largest, ties
+    kept), each to -inf: token_choice's torch ops, row by row."""
+    out = x.clone()
+    for row, k, lmp in zip(out, top_k.tolist(), log_min_p.tolist(), strict=True):
+        row.masked_fill_(row < row.max() + torch.tensor(lmp), float("-inf"))
+        if 0 < k < len(row):
+            row.masked_fill_(row < row.topk(k).values[-1], float("-inf"))
+    return out
+
+
+@pytest.mark.parametrize("vocab", [9, 1003, 49157])
+def test_filter_rows_keeps_what_min_p_and_top_k_keep(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(10, vocab, generator=gen) * 4
+    x[1] = torch.arange(vocab, dtype=torch.float32)  # ascending: every logit passes the rising floor
+    x[2] = torch.randint(0, 4, (vocab,), generator=gen).float()  # ties across the k-th
+    x[3, ::2] = float("-inf")  # masked already: fewer than k left in small rows
+    x[4] = -torch.arange(vocab, dtype=torch.float32)
+    top_k = torch.tensor([50, 600, 3, 7, 1, 0, vocab - 1, vocab, 2, 1500]).clamp(max=vocab)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.01, 0.2, 0.5, 1e-4])
+    log_min_p = min_p.log()  # -inf where off
+    expected = _filtered_by_definition(x, top_k, log_min_p)
+    for k, lmp in ((top_k, log_min_p), (top_k, None), (None, log_min_p)):
+        wide = torch.full((10, vocab + 5), 7.0)
+        wide[:, :vocab] = x
+        cpu_ops().filter_rows(wide[:, :vocab], k, lmp)  # strided rows, in place
+        want = _filtered_by_definition(x, torch.zeros_like(top_k) if k is None else top_k,
+                                       torch.full_like(log_min_p, float("-inf")) if lmp is None else log_min_p)
+        assert torch.equal(wide[:, :vocab], want) and bool((wide[:, vocab:] == 7.0).all())
+    assert not torch.equal(expected, x)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 40)])
 def test_rotary_embedding_rotates_q_and_k_in_place_like_transformers(dtype: torch.dtype, heads: int,

@@ -55,12 +55,12 @@ def sample_many(logits_row: torch.Tensor, params: SamplingParams, n: int = 20_00
 
 @pytest.fixture(params=["kernel", "torch"])
 def race(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The random rows' exponential race in the C++ kernel (``csrc/race.cpp``, where the CPU has
-    AVX-512 or AVX2) or in torch ops (elsewhere)."""
+    """The random rows' filters and exponential race in the C++ kernels (``csrc/logit_filters.cpp``,
+    ``csrc/race.cpp``, where the CPU has AVX-512 or AVX2) or in torch ops (elsewhere)."""
     if request.param == "torch":
-        monkeypatch.setattr(token_choice, "_races_in_kernel", lambda probs: False)
-    elif not token_choice._races_in_kernel(torch.zeros(1, 2)) or cpu_ops() is None:
-        pytest.skip("the race kernel runs on CPUs with AVX-512 or AVX2")
+        monkeypatch.setattr(token_choice, "_rows_in_kernel", lambda x: False)
+    elif not token_choice._rows_in_kernel(torch.zeros(1, 2)) or cpu_ops() is None:
+        pytest.skip("the sampler's kernels run on CPUs with AVX-512 or AVX2")
     return str(request.param)
 
 
