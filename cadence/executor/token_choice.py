@@ -223,7 +223,9 @@ def gather_logprobs(
     top_ids: list[list[int]] = [[] for _ in top_counts]
     top_lps: list[list[float]] = [[] for _ in top_counts]
     if k_max > 0:
-        values, indices = raw.topk(k_max, dim=-1)
+        ops = cpu_ops() if _rows_in_kernel(raw) else None
+        # csrc/top_k_rows.cpp: one pass a row, where torch's topk took 3.1 ms for [64, 49152] even at k 1
+        values, indices = raw.topk(k_max, dim=-1) if ops is None else ops.top_k_rows(raw, k_max)
         top_ids, top_lps = indices.tolist(), values.tolist()
     return [
         TokenLogprobs(token_ids=[tok, *ids[:k]], logprobs=[lp, *lps[:k]], sampled_rank=rank)

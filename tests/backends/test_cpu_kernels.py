@@ -454,6 +454,26 @@ def test_filter_rows_keeps_what_min_p_and_top_k_keep(vocab: int) -> None:
     assert not torch.equal(expected, x)
 
 
+@pytest.mark.parametrize("vocab", [7, 1003, 49157])
+def test_top_k_rows_is_torch_topk_with_ties_to_the_lower_index(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen) * 4
+    x[1] = torch.arange(vocab, dtype=torch.float32)  # ascending: every value passes the rising floor
+    x[2] = torch.randint(0, 3, (vocab,), generator=gen).float()  # ties everywhere
+    x[3, 3:] = float("-inf")  # fewer than k above -inf: its first -inf entries follow
+    for k in sorted({1, 5, min(600, vocab), vocab}):
+        values, indices = cpu_ops().top_k_rows(x, k)
+        expected = x.topk(k, dim=-1).values
+        assert torch.equal(values, expected)
+        assert torch.equal(x.gather(1, indices), values)
+        for row_values, row_indices in zip(values.tolist(), indices.tolist(), strict=True):
+            order = sorted(zip(row_values, row_indices, strict=True), key=lambda pair: (-pair[0], pair[1]))
+            assert list(zip(row_values, row_indices, strict=True)) == order
+            assert len(set(row_indices)) == k
+    wide = torch.cat([x, x], dim=1)[:, :vocab]  # strided rows
+    assert torch.equal(cpu_ops().top_k_rows(wide, 1)[1], cpu_ops().top_k_rows(x, 1)[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 40)])
 def test_rotary_embedding_rotates_q_and_k_in_place_like_transformers(dtype: torch.dtype, heads: int,

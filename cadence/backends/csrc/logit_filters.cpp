@@ -4,23 +4,20 @@
 // cadence/executor/token_choice.py's torch ops, which took 5.7 ms for 64 rows of 49,152 at top-k 50
 // (topk 3.7, then a comparison and masked_fill over every logit, 2.0) on 2 AMD EPYC cores.
 //
-// Here a row is read once for its maximum (min-p only), once for its k-th largest, and once to mask it.
-// The k-th largest is selected from candidates: values above a floor are appended to a buffer, and
-// whenever it holds `kCompactAt` (or 4k) of them, std::nth_element keeps the k largest and the floor
-// rises to the k-th; so past the first few thousand logits few values pass, and the pass is a compare
-// per vector. (A value equal to the floor cannot change the k-th largest, so only larger ones enter.)
-// Rows whose logits hold NaN are left to the torch ops' rules elsewhere: here NaN is never a candidate.
+// Here a row is read once for its maximum (min-p only), once for its k-th largest (top_values.h), and
+// once to mask it. NaN is never a candidate here, where torch's topk ranks it first: a row holding NaN
+// may keep other tokens than the torch ops keep.
 // Built on first use by cadence/backends/cpu_kernels.py; registered as torch.ops.cadence_cpu.*.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "top_values.h"
 #include "vec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <vector>
 
@@ -28,64 +25,11 @@ namespace {
 
 using namespace cadence;
 
-constexpr int64_t kCompactAt = 512;
-
-// The buffer of a row's candidates for its k-th largest logit, above a rising floor.
-class Candidates {
- public:
-  Candidates(int64_t k, std::vector<float>& buffer)
-      : k_(k), limit_(std::max(kCompactAt, 2 * k)), buffer_(buffer) {
-    buffer_.resize(limit_ + 16);  // room for one more vector past the limit
-  }
-
-  float floor() const { return floor_; }
-
-  // Where the next candidates go; `added` of them were written there.
-  float* end() { return buffer_.data() + size_; }
-  void grew(int64_t added) {
-    size_ += added;
-    if (size_ >= limit_) compact();
-  }
-
-  // The k-th largest of every value offered (with multiplicity), or -inf if fewer than k were above -inf.
-  float kth() {
-    if (size_ < k_) return -INFINITY;
-    compact();
-    return floor_;
-  }
-
- private:
-  void compact() {
-    std::nth_element(buffer_.begin(), buffer_.begin() + (k_ - 1), buffer_.begin() + size_, std::greater<float>());
-    floor_ = buffer_[k_ - 1];
-    size_ = k_;
-  }
-
-  const int64_t k_, limit_;
-  std::vector<float>& buffer_;
-  int64_t size_ = 0;
-  float floor_ = -INFINITY;
-};
-
 #if defined(__AVX512F__)
 float row_max(const float* x, int64_t n) {
   __m512 best = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n; i += 16) best = _mm512_max_ps(best, _mm512_mask_loadu_ps(best, tail_mask(n - i), x + i));
   return _mm512_reduce_max_ps(best);
-}
-
-float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& buffer) {
-  Candidates candidates(k, buffer);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 valid = tail_mask(n - i);
-    const __m512 v = _mm512_maskz_loadu_ps(valid, x + i);
-    const __mmask16 above = _mm512_mask_cmp_ps_mask(valid, v, _mm512_set1_ps(candidates.floor()), _CMP_GT_OQ);
-    if (above) {
-      _mm512_mask_compressstoreu_ps(candidates.end(), above, v);
-      candidates.grew(__builtin_popcount(above));
-    }
-  }
-  return candidates.kth();
 }
 
 void mask_below(float* x, int64_t n, float threshold) {
@@ -105,21 +49,6 @@ float row_max(const float* x, int64_t n) {
   return *std::max_element(lanes, lanes + 8);
 }
 
-float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& buffer) {
-  Candidates candidates(k, buffer);
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 v = load8(x + i, n - i, -INFINITY);
-    int above = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(candidates.floor()), _CMP_GT_OQ));
-    if (above) {
-      float* out = candidates.end();
-      int64_t added = 0;
-      for (; above; above &= above - 1) out[added++] = x[i + __builtin_ctz(above)];
-      candidates.grew(added);
-    }
-  }
-  return candidates.kth();
-}
-
 void mask_below(float* x, int64_t n, float threshold) {
   const __m256 t = _mm256_set1_ps(threshold), off = _mm256_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n; i += 8) {
@@ -132,10 +61,10 @@ void mask_below(float* x, int64_t n, float threshold) {
 
 // One row: min-p's threshold (max + log_min_p, in float as torch adds them; -inf: off), then top-k's
 // (k <= 0: off), the larger of the two kept from.
-void filter_row(float* x, int64_t n, int64_t k, float log_min_p, std::vector<float>& buffer) {
+void filter_row(float* x, int64_t n, int64_t k, float log_min_p, std::vector<Scored>& buffer) {
   float threshold = -INFINITY;
   if (log_min_p != -INFINITY) threshold = row_max(x, n) + log_min_p;
-  if (k > 0 && k < n) threshold = std::max(threshold, kth_largest(x, n, k, buffer));
+  if (k > 0 && k < n) threshold = std::max(threshold, TopValues(x, n, k, buffer).kth());
   if (threshold != -INFINITY) mask_below(x, n, threshold);
 }
 
@@ -156,7 +85,7 @@ void filter_rows(const at::Tensor& logits, const std::optional<at::Tensor>& top_
   const int64_t* ks = top_k ? top_k->data_ptr<int64_t>() : nullptr;
   const float* lmp = log_min_p ? log_min_p->data_ptr<float>() : nullptr;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer;
+    std::vector<Scored> buffer;
     for (int64_t r = begin; r < end; ++r) {
       filter_row(x + r * stride, n, ks ? ks[r] : 0, lmp ? lmp[r] : -INFINITY, buffer);
     }
