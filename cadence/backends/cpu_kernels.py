@@ -56,7 +56,7 @@ _NAME = "cadence_cpu_kernels"
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("paged_attention.cpp", "attention_packed.cpp", "decode_dot.cpp", "layer_ops.cpp", "bf16_linear.cpp",
             "quant_linear.cpp", "quant_rows.cpp", "greedy.cpp", "race.cpp", "logit_filters.cpp",
-            "top_k_rows.cpp", "decoder_stack.cpp")
+            "top_k_rows.cpp", "penalties.cpp", "decoder_stack.cpp")
 # The instruction sets the kernels use (the build targets exactly these, not the build machine); no
 # contraction of a multiply and an add into one FMA where torch rounds the product first.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]

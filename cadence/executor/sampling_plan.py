@@ -12,10 +12,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 
 import torch
 
+from cadence.backends.cpu_kernels import cpu_ops
 from cadence.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -213,6 +214,13 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], plan: Pe
     Works on flat ``row * V + token`` indices of the tokens seen, so the cost follows the
     number of tokens, not ``B * V``.
     """
+    ops = cpu_ops() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if ops is not None:  # csrc/penalties.cpp: the same values, over each row's tokens without sorting them
+        outputs = [rows[i].output_token_ids for i in plan.rows]
+        prompts = [rows[i].prompt_token_ids if plan.repetition is not None else [] for i in plan.rows]
+        ops.apply_penalties(logits, _long(plan.rows, logits.device), *_ids_and_offsets(prompts),
+                            *_ids_and_offsets(outputs), plan.repetition, plan.frequency, plan.presence)
+        return
     vocab, flat, device = logits.shape[1], logits.view(-1), logits.device
     output_ids = _flat_ids([rows[i].output_token_ids for i in plan.rows], plan.rows, vocab, device)
     if plan.repetition is not None:
@@ -226,6 +234,12 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], plan: Pe
         ids, counts = torch.unique(output_ids, return_counts=True)
         row_of = ids // vocab
         flat.index_add_(0, ids, -(plan.frequency[row_of] * counts + plan.presence[row_of]))
+
+
+def _ids_and_offsets(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every list's tokens one after another, and where each list starts (its end the next's start)."""
+    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
+    return ids, torch.tensor([0, *accumulate(len(tokens) for tokens in token_lists)], dtype=torch.long)
 
 
 def _flat_ids(

@@ -9,7 +9,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from cadence.backends.cpu_kernels import cpu_ops
-from cadence.executor import token_choice
+from cadence.executor import sampling_plan, token_choice
 from cadence.executor.sampler import Sampler
 from cadence.executor.sampling_plan import SamplingRow
 from cadence.sampling_params import SamplingParams
@@ -80,6 +80,36 @@ def test_greedy_is_argmax_and_logits_untouched(logits: torch.Tensor) -> None:
     assert torch.equal(logits, before)
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def penalties(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The penalties in the C++ kernel (``csrc/penalties.cpp``, where cadence's CPU kernels build) or
+    in torch ops (elsewhere)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampling_plan, "cpu_ops", lambda: None)
+    elif cpu_ops() is None:
+        pytest.skip("the penalty kernel runs where cadence's CPU kernels build")
+    return str(request.param)
+
+
+def test_the_penalty_kernel_gives_the_torch_ops_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    if cpu_ops() is None:
+        pytest.skip("the penalty kernel runs where cadence's CPU kernels build")
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, V, generator=gen) * 4
+    logits[0, :8] = 0.0  # a zero logit is multiplied: it stays 0
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.5, presence_penalty=0.2),
+              SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.4, presence_penalty=1.5), GREEDY,
+              SamplingParams(repetition_penalty=2.0, frequency_penalty=0.3), SamplingParams(presence_penalty=-1.0)]
+    histories = [([0, 1, 2, 2, V - 1], [3, 3, 3, 0]), ([5, 6], [6, 6, 7, V - 1, V - 1]), ([9] * 5, [9, 10]),
+                 ([1], [1]), ([], []), ([4, 4], [])]
+    rows = [row(p, prompt=prompt, output=output) for p, (prompt, output) in zip(params, histories, strict=True)]
+    kernel = Sampler().process_logits(logits, rows)
+    monkeypatch.setattr(sampling_plan, "cpu_ops", lambda: None)
+    torch_ops = Sampler().process_logits(logits, rows)
+    assert torch.equal(kernel, torch_ops) and not torch.equal(kernel, logits)
+
+
+@pytest.mark.usefixtures("penalties")
 def test_penalties_match_hand_computed_reference() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
@@ -91,6 +121,7 @@ def test_penalties_match_hand_computed_reference() -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.usefixtures("penalties")
 def test_repetition_penalty_matches_transformers() -> None:
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(3, V, generator=gen) * 4
@@ -102,6 +133,7 @@ def test_repetition_penalty_matches_transformers() -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.usefixtures("penalties")
 def test_penalties_only_touch_rows_that_ask(logits: torch.Tensor) -> None:
     # The same params object at two positions with different histories: only their own tokens count.
     params = SamplingParams(temperature=0.0, presence_penalty=1.0)
