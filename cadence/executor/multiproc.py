@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing.connection
 import os
 import signal
 import tempfile
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 _SUBSCRIBE = 1  # first byte of the frame an XPUB socket receives for a new subscription
 # After a rank's process exits, how long to wait for the error it may have sent just before.
 _LAST_WORDS_MS = 1000
+# After a rank reports a failure, how long to wait for another rank's exit that may have caused it: a
+# killed process's sockets close (and a collective fails on its peers) a moment before its exit shows.
+_PEER_EXIT_S = 0.2
 
 
 class MultiprocExecutor(Executor):
@@ -169,6 +173,8 @@ class MultiprocExecutor(Executor):
     def _failure(self, reply: WorkerFailed) -> WorkerError:
         """A rank's reported failure, or the death of another rank that caused it: a collective
         fails on the surviving ranks as soon as a peer's process is gone."""
+        others = [process.sentinel for rank, process in enumerate(self.processes) if rank != reply.rank]
+        multiprocessing.connection.wait(others, timeout=_PEER_EXIT_S)
         for rank, process in enumerate(self.processes):
             if rank != reply.rank and process.exitcode is not None:
                 error = self._exited(rank)

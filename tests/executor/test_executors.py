@@ -29,6 +29,7 @@ from cadence.messages import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    WorkerFailed,
     WorkerReply,
 )
 from cadence.models.loader import load_hf_config
@@ -322,3 +323,28 @@ def test_a_worker_process_runs_every_published_step_and_only_rank_zero_replies(r
     expected = [ModelRunnerOutput(1, ["a"], [1]), ModelRunnerOutput(2, ["a"], [2])] if rank == 0 else []
     assert [reply_codec.decode(frame) for frame in replies.frames] == expected
 
+
+
+def test_a_rank_failing_as_its_peer_is_killed_names_the_killed_peer() -> None:
+    """A killed rank's sockets close, and its peers' collective fails, a moment before its exit shows:
+    the executor waits briefly for that exit before it blames the rank that reported the failure (the
+    report below comes while rank 1 is still alive; it is killed 50 ms later)."""
+    import os
+    import signal
+    import time
+    from multiprocessing import get_context
+
+    processes = [get_context("fork").Process(target=time.sleep, args=(30,), daemon=True) for _ in range(2)]
+    for process in processes:
+        process.start()
+    executor = object.__new__(cadence.executor.multiproc.MultiprocExecutor)
+    executor.processes = processes
+    killer = threading.Timer(0.05, os.kill, (processes[1].pid, signal.SIGKILL))
+    killer.start()
+    try:
+        error = executor._failure(WorkerFailed(rank=0, error="gloo: connection closed by peer"))
+    finally:
+        killer.join()
+        processes[0].kill()
+        processes[0].join()
+    assert str(error).startswith(f"worker rank 1 (pid {processes[1].pid}) was killed by SIGKILL; rank 0 then failed")
