@@ -40,8 +40,9 @@ _SUBSCRIBE = 1  # first byte of the frame an XPUB socket receives for a new subs
 # After a rank's process exits, how long to wait for the error it may have sent just before.
 _LAST_WORDS_MS = 1000
 # After a rank reports a failure, how long to wait for another rank's exit that may have caused it: a
-# killed process's sockets close (and a collective fails on its peers) a moment before its exit shows.
-_PEER_EXIT_S = 0.2
+# killed process's sockets close (and a collective fails on its peers) a moment before its exit shows,
+# a moment that a loaded machine stretched past 0.2 s. Only a failing engine waits.
+_PEER_EXIT_S = 1.0
 
 
 class MultiprocExecutor(Executor):
@@ -174,9 +175,10 @@ class MultiprocExecutor(Executor):
         """A rank's reported failure, or the death of another rank that caused it: a collective
         fails on the surviving ranks as soon as a peer's process is gone."""
         others = [process.sentinel for rank, process in enumerate(self.processes) if rank != reply.rank]
-        multiprocessing.connection.wait(others, timeout=_PEER_EXIT_S)
+        # A sentinel is ready as the process exits, a moment before waitpid sees it: _exited joins it.
+        ended = multiprocessing.connection.wait(others, timeout=_PEER_EXIT_S)
         for rank, process in enumerate(self.processes):
-            if rank != reply.rank and process.exitcode is not None:
+            if rank != reply.rank and (process.sentinel in ended or process.exitcode is not None):
                 error = self._exited(rank)
                 return WorkerError(f"{error}; rank {reply.rank} then failed: {reply.error}")
         return WorkerError(f"worker rank {reply.rank} failed: {reply.error}")

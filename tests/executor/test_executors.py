@@ -328,7 +328,7 @@ def test_a_worker_process_runs_every_published_step_and_only_rank_zero_replies(r
 def test_a_rank_failing_as_its_peer_is_killed_names_the_killed_peer() -> None:
     """A killed rank's sockets close, and its peers' collective fails, a moment before its exit shows:
     the executor waits briefly for that exit before it blames the rank that reported the failure (the
-    report below comes while rank 1 is still alive; it is killed 50 ms later)."""
+    report below comes while rank 1 is still alive; it is killed 0.1 s later)."""
     import os
     import signal
     import time
@@ -339,7 +339,7 @@ def test_a_rank_failing_as_its_peer_is_killed_names_the_killed_peer() -> None:
         process.start()
     executor = object.__new__(cadence.executor.multiproc.MultiprocExecutor)
     executor.processes = processes
-    killer = threading.Timer(0.05, os.kill, (processes[1].pid, signal.SIGKILL))
+    killer = threading.Timer(0.1, os.kill, (processes[1].pid, signal.SIGKILL))
     killer.start()
     try:
         error = executor._failure(WorkerFailed(rank=0, error="gloo: connection closed by peer"))
