@@ -126,6 +126,13 @@ def cpu_ops() -> Any | None:
     return torch.ops.cadence_cpu if _load(_main() if capability == "AVX512" else _main_over_avx2()) else None
 
 
+def row_ops(x: torch.Tensor) -> Any | None:
+    """:func:`cpu_ops` where its row kernels (the sampler's: argmax, filters, race, top-k, penalties)
+    take ``x``: float32 ``[B, V]`` on the CPU with dense rows; else None (torch ops run)."""
+    dense_rows = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    return cpu_ops() if dense_rows else None
+
+
 @functools.cache
 def avx2_ops() -> Any | None:
     """``torch.ops.cadence_avx2`` (``quant_linear[_supported]`` as ``cadence_cpu``'s, ``bf16_linear[_supported]``,

@@ -16,7 +16,7 @@ from itertools import accumulate, chain
 
 import torch
 
-from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.cpu_kernels import row_ops
 from cadence.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -214,7 +214,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], plan: Pe
     Works on flat ``row * V + token`` indices of the tokens seen, so the cost follows the
     number of tokens, not ``B * V``.
     """
-    ops = cpu_ops() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    ops = row_ops(logits)
     if ops is not None:  # csrc/penalties.cpp: the same values, over each row's tokens without sorting them
         outputs = [rows[i].output_token_ids for i in plan.rows]
         prompts = [rows[i].prompt_token_ids if plan.repetition is not None else [] for i in plan.rows]
@@ -236,19 +236,20 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], plan: Pe
         flat.index_add_(0, ids, -(plan.frequency[row_of] * counts + plan.presence[row_of]))
 
 
-def _ids_and_offsets(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _ids_and_offsets(token_lists: list[list[int]], device: torch.device | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every list's tokens one after another, and where each list starts (its end the next's start)."""
-    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
-    return ids, torch.tensor([0, *accumulate(len(tokens) for tokens in token_lists)], dtype=torch.long)
+    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    offsets = torch.tensor([0, *accumulate(len(tokens) for tokens in token_lists)], dtype=torch.long, device=device)
+    return ids, offsets
 
 
 def _flat_ids(
     token_lists: list[list[int]], batch_rows: list[int], vocab: int, device: torch.device
 ) -> torch.Tensor:
     """``row * vocab + token`` for every token of ``token_lists[j]``, with row ``batch_rows[j]``."""
-    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
-    lengths = torch.tensor([len(t) for t in token_lists], device=device)
-    return torch.repeat_interleave(_long(batch_rows, device) * vocab, lengths) + tokens
+    tokens, offsets = _ids_and_offsets(token_lists, device)
+    return torch.repeat_interleave(_long(batch_rows, device) * vocab, offsets.diff()) + tokens
 
 
 # ---- buffers ---------------------------------------------------------------------------------

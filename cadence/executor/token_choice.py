@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cadence.backends.cpu_kernels import cpu_ops
+from cadence.backends.cpu_kernels import row_ops
 from cadence.executor.sampling_plan import RandomPlan, SamplingPlan, SamplingRow, Workspace
 from cadence.messages import TokenLogprobs
 
@@ -46,8 +46,7 @@ def choose_tokens(
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``[B, V]`` fp32 rows, by the C++ kernel where it runs: 4x faster than
     torch's with AVX-512; with AVX2 [1, 49152] 13.5 us against 56, [64, 49152] 0.38 ms against 1.8-4.0."""
-    runs = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
-    ops = cpu_ops() if runs else None
+    ops = row_ops(x)
     return x.argmax(dim=-1) if ops is None else ops.argmax_rows(x)
 
 
@@ -65,7 +64,7 @@ def _sample(
         owned = True
     if not owned and (plan.log_min_p is not None or plan.top_k_index is not None):
         x = ws.take("x", x).copy_(x)
-    ops = cpu_ops() if _rows_in_kernel(x) else None
+    ops = row_ops(x)
     if ops is not None and (plan.log_min_p is not None or plan.top_k_by_row is not None):
         # csrc/logit_filters.cpp: the same tokens kept as the torch ops below, a row at a time
         ops.filter_rows(x, plan.top_k_by_row, None if plan.log_min_p is None else plan.log_min_p.view(-1))
@@ -165,7 +164,7 @@ def _take_most_likely(probs: torch.Tensor, tokens: torch.Tensor, rows: torch.Ten
 def _race(probs: torch.Tensor, noise: torch.Tensor, row_generators: list[tuple[int, torch.Generator]]
           ) -> torch.Tensor:
     """One exponential race per row by torch ops, in ``noise`` (a buffer shaped like ``probs``),
-    where the C++ kernel does not run (``_rows_in_kernel``).
+    where the C++ kernel does not run (``row_ops``).
 
     argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d. picks i with probability p_i / sum(p). E is built as
     -log(U): on CPU that is ~6x faster than ``Tensor.exponential_``, and U < 1 keeps E > 0, so no
@@ -188,14 +187,6 @@ def _race_keys(rows: int, row_generators: list[tuple[int, torch.Generator]]) -> 
     for row, generator in row_generators:
         keys[row] = torch.empty(1, dtype=torch.long).random_(generator=generator)[0]
     return keys
-
-
-def _rows_in_kernel(x: torch.Tensor) -> bool:
-    """Whether the sampler's kernels (``filter_rows``, ``race_rows``) take ``x`` and the probabilities
-    made from it: fp32 rows on a CPU with AVX-512 or AVX2 (where the kernels build; the two paths
-    choose the same tokens)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
-            and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2"))
 
 
 def _row_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
@@ -223,7 +214,7 @@ def gather_logprobs(
     top_ids: list[list[int]] = [[] for _ in top_counts]
     top_lps: list[list[float]] = [[] for _ in top_counts]
     if k_max > 0:
-        ops = cpu_ops() if _rows_in_kernel(raw) else None
+        ops = row_ops(raw)
         # csrc/top_k_rows.cpp: one pass a row, where torch's topk took 3.1 ms for [64, 49152] even at k 1
         values, indices = raw.topk(k_max, dim=-1) if ops is None else ops.top_k_rows(raw, k_max)
         top_ids, top_lps = indices.tolist(), values.tolist()

@@ -58,8 +58,8 @@ def race(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """The random rows' filters and exponential race in the C++ kernels (``csrc/logit_filters.cpp``,
     ``csrc/race.cpp``, where the CPU has AVX-512 or AVX2) or in torch ops (elsewhere)."""
     if request.param == "torch":
-        monkeypatch.setattr(token_choice, "_rows_in_kernel", lambda x: False)
-    elif not token_choice._rows_in_kernel(torch.zeros(1, 2)) or cpu_ops() is None:
+        monkeypatch.setattr(token_choice, "row_ops", lambda x: None)
+    elif token_choice.row_ops(torch.zeros(1, 2)) is None:
         pytest.skip("the sampler's kernels run on CPUs with AVX-512 or AVX2")
     return str(request.param)
 
@@ -85,7 +85,7 @@ def penalties(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """The penalties in the C++ kernel (``csrc/penalties.cpp``, where cadence's CPU kernels build) or
     in torch ops (elsewhere)."""
     if request.param == "torch":
-        monkeypatch.setattr(sampling_plan, "cpu_ops", lambda: None)
+        monkeypatch.setattr(sampling_plan, "row_ops", lambda x: None)
     elif cpu_ops() is None:
         pytest.skip("the penalty kernel runs where cadence's CPU kernels build")
     return str(request.param)
@@ -104,7 +104,7 @@ def test_the_penalty_kernel_gives_the_torch_ops_values(monkeypatch: pytest.Monke
                  ([1], [1]), ([], []), ([4, 4], [])]
     rows = [row(p, prompt=prompt, output=output) for p, (prompt, output) in zip(params, histories, strict=True)]
     kernel = Sampler().process_logits(logits, rows)
-    monkeypatch.setattr(sampling_plan, "cpu_ops", lambda: None)
+    monkeypatch.setattr(sampling_plan, "row_ops", lambda x: None)
     torch_ops = Sampler().process_logits(logits, rows)
     assert torch.equal(kernel, torch_ops) and not torch.equal(kernel, logits)
 
